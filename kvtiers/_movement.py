@@ -1,0 +1,464 @@
+"""Moving chunks through the tier cascade: lookups, loads, stores, eviction, write queues.
+
+Everything here runs on the cache's event loop, so the index, the policies and the pending
+sets need no locks; the only suspension points are awaits on tiers and queues, and every
+invariant that must hold across one is guarded: reserved blocks are invisible until
+committed, pinned blocks are never reused, and chunks still queued for a write-through tier
+(`_pending`) or being evicted (`_evicting`) are never chosen as victims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+import numpy as np
+import torch
+
+from kvtiers._tensors import chunk_tensor
+from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import TierError
+from kvtiers.core.index import PrefixIndex
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.eviction.base import EvictionPolicy
+from kvtiers.tiers.base import Buffer, Tier
+from kvtiers.tiers.dram import MemoryTier
+
+__all__ = ["Mover", "Slot"]
+
+logger = logging.getLogger("kvtiers")
+
+_T = TypeVar("_T")
+_WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
+_STAGE_BATCH = 32  # chunks staged in host memory at once when no block is free
+Deliver = Callable[[int, Buffer], None]
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One tier in the cascade with the cache's state for it."""
+
+    idx: int
+    """Position, top first; also the tier's bit in index masks."""
+    tier: Tier
+    config: TierConfig
+    policy: EvictionPolicy | None
+    """The cache's eviction policy for it; `None` when the tier evicts by itself."""
+    queue: asyncio.Queue[ChunkKey | None] | None = None
+    """Write-through queue of chunk keys (`None` ends the writer)."""
+    queued: set[ChunkKey] = field(default_factory=set)
+    """Keys in the write-through queue or being written, so a key is queued once."""
+
+
+def _leading(flags: Sequence[bool]) -> int:
+    count = 0
+    for flag in flags:
+        if not flag:
+            break
+        count += 1
+    return count
+
+
+class Mover:
+    """Carry out lookups, loads, stores and evictions over the slots of one cache."""
+
+    def __init__(
+        self, layout: KVLayout, index: PrefixIndex, slots: list[Slot], queue_chunks: int
+    ) -> None:
+        self._layout = layout
+        self._index = index
+        self._slots = slots
+        self._queue_chunks = queue_chunks
+        top = slots[0].tier
+        self._memtop: MemoryTier | None = top if isinstance(top, MemoryTier) else None
+        self._shared = [s for s in slots if s.tier.shared]
+        self._through = [s for s in slots[1:] if s.config.write_policy == "write_through"]
+        self._pending: Counter[ChunkKey] = Counter()
+        self._evicting: set[ChunkKey] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self, group: asyncio.TaskGroup) -> None:
+        """Start one background writer per write-through tier in `group`."""
+        for slot in self._through:
+            slot.queue = asyncio.Queue(maxsize=self._queue_chunks)
+            group.create_task(self._writer(slot), name=f"kvtiers-writer-{slot.tier.name}")
+
+    async def drain(self) -> None:
+        """Let every writer finish its queue, then stop."""
+        for slot in self._through:
+            if slot.queue is not None:
+                await slot.queue.put(None)
+        for slot in self._through:
+            if slot.queue is not None:
+                await slot.queue.join()
+
+    async def flush(self) -> None:
+        """Wait until every write-through queue is empty and its writes are done."""
+        for slot in self._through:
+            if slot.queue is not None:
+                await slot.queue.join()
+
+    def queued_chunks(self) -> int:
+        """Return the chunks waiting in write-through queues."""
+        return sum(s.queue.qsize() for s in self._through if s.queue is not None)
+
+    # -- lookup ------------------------------------------------------------------------
+
+    async def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """Return how many leading `keys` some tier holds, asking shared tiers past the index."""
+        num_chunks = self._index.match(keys).num_chunks
+        if num_chunks == len(keys) or not self._shared:
+            return num_chunks
+        rest = keys[num_chunks:]
+        found = [False] * len(rest)
+        for slot in self._shared:
+            flags = await self._call(slot, slot.tier.contains(rest), [False] * len(rest))
+            for j, flag in enumerate(flags):
+                if flag:
+                    found[j] = True
+                    self._index.add(keys, num_chunks + j, slot.idx)
+        return num_chunks + _leading(found)
+
+    # -- load --------------------------------------------------------------------------
+
+    async def load(self, keys: Sequence[ChunkKey], out: torch.Tensor) -> int:
+        """Copy the leading cached chunks of `keys` into `out`; return how many."""
+        size = self._layout.chunk_size
+        layout = self._layout
+
+        def deliver(i: int, view: Buffer) -> None:
+            out.narrow(2, i * size, size).copy_(chunk_tensor(layout, view))
+
+        done = [False] * len(keys)
+        await self._gather(keys, deliver, done)
+        return _leading(done)
+
+    async def prefetch(self, keys: Sequence[ChunkKey]) -> int:
+        """Promote the cached prefix of `keys` into the top memory tier; return its chunks."""
+        num_chunks = await self.longest_prefix(keys)
+        if self._memtop is None:
+            return num_chunks
+        done = [False] * num_chunks
+        await self._gather(keys[:num_chunks], None, done)
+        return _leading(done)
+
+    async def _gather(
+        self, keys: Sequence[ChunkKey], deliver: Deliver | None, done: list[bool]
+    ) -> None:
+        start = 0
+        if self._memtop is not None:
+            await self._gather_top(keys, deliver, done)
+            start = 1
+        for slot in self._slots[start:]:
+            bit = 1 << slot.idx
+            todo = [
+                i
+                for i, key in enumerate(keys)
+                if not done[i] and (slot.tier.shared or self._index.tiers_of(key) & bit)
+            ]
+            if todo:
+                await self._gather_from(slot, keys, todo, deliver, done)
+
+    async def _gather_top(
+        self, keys: Sequence[ChunkKey], deliver: Deliver | None, done: list[bool]
+    ) -> None:
+        top = self._slots[0]
+        assert self._memtop is not None
+        async with self._memtop.pinned(keys) as views:
+            hits = [i for i, view in enumerate(views) if view is not None]
+            for i in hits:
+                view = views[i]
+                if deliver is not None and view is not None:
+                    deliver(i, view)
+                done[i] = True
+        counters = top.tier.counters
+        counters.hits += len(hits)
+        counters.misses += len(keys) - len(hits)
+        counters.bytes_read += len(hits) * self._layout.chunk_bytes
+        if top.policy is not None:
+            # NOTE: deepest chunk first, so a prefix is always more recent than its suffix.
+            for i in reversed(hits):
+                top.policy.touch(keys[i])
+
+    async def _gather_from(
+        self,
+        slot: Slot,
+        keys: Sequence[ChunkKey],
+        todo: list[int],
+        deliver: Deliver | None,
+        done: list[bool],
+    ) -> None:
+        todo_keys = [keys[i] for i in todo]
+        promoted: list[int] = []
+        found: list[bool] = []
+        if self._memtop is not None:
+            top = self._slots[0]
+            await self._make_room(top, len(todo), protect=set(keys))
+            async with self._memtop.reserve(todo_keys) as res:
+                num = len(res.views)
+                flags = await self._call(
+                    slot, slot.tier.get(todo_keys[:num], res.views), [False] * num
+                )
+                for j, flag in enumerate(flags):
+                    res.keep[j] = flag
+                    if flag:
+                        promoted.append(todo[j])
+                        if deliver is not None:
+                            deliver(todo[j], res.views[j])
+                found.extend(flags)
+            self._record_inserts(top, keys, promoted)
+            top.tier.counters.promotions += len(promoted)
+        if len(found) < len(todo):
+            found.extend(await self._get_staged(slot, keys, todo[len(found) :], deliver))
+        for i, flag in zip(todo, found, strict=True):
+            if flag:
+                done[i] = True
+                self._index.add(keys, i, slot.idx)
+            else:
+                self._index.discard(keys[i], slot.idx)
+
+    async def _get_staged(
+        self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], deliver: Deliver | None
+    ) -> list[bool]:
+        found: list[bool] = []
+        for lo in range(0, len(idxs), _STAGE_BATCH):
+            part = idxs[lo : lo + _STAGE_BATCH]
+            stage = np.empty((len(part), self._layout.chunk_bytes), dtype=np.uint8)
+            bufs = list(stage)
+            flags = await self._call(
+                slot, slot.tier.get([keys[i] for i in part], bufs), [False] * len(part)
+            )
+            for i, flag, buf in zip(part, flags, bufs, strict=True):
+                if flag and deliver is not None:
+                    deliver(i, buf)
+            found.extend(flags)
+        return found
+
+    # -- store -------------------------------------------------------------------------
+
+    async def store(self, keys: Sequence[ChunkKey], kv: torch.Tensor) -> int:
+        """Place the chunks of `kv` in the top tier and queue write-through copies.
+
+        Returns:
+            Chunks that no tier held before.
+        """
+        new = await self._count_new(keys)
+        placed = await self._place_top(keys, kv)
+        await self._enqueue(keys, placed)
+        return new
+
+    async def _count_new(self, keys: Sequence[ChunkKey]) -> int:
+        unknown = [i for i, key in enumerate(keys) if not self._index.tiers_of(key)]
+        elsewhere: set[int] = set()
+        for slot in self._shared:
+            if not unknown:
+                break
+            ask = [keys[i] for i in unknown]
+            flags = await self._call(slot, slot.tier.contains(ask), [False] * len(ask))
+            for i, flag in zip(unknown, flags, strict=True):
+                if flag:
+                    elsewhere.add(i)
+                    self._index.add(keys, i, slot.idx)
+            unknown = [i for i in unknown if i not in elsewhere]
+        return len(unknown)
+
+    async def _place_top(self, keys: Sequence[ChunkKey], kv: torch.Tensor) -> list[int]:
+        """Write the chunks missing from the top tier; return the indices it holds now."""
+        size = self._layout.chunk_size
+        top = self._slots[0]
+        need = [i for i, key in enumerate(keys) if not self._index.tiers_of(key) & 1]
+        placed: list[int] = []
+        if self._memtop is not None and need:
+            await self._make_room(top, len(need), protect=set(keys))
+            async with self._memtop.reserve([keys[i] for i in need]) as res:
+                for j, view in enumerate(res.views):
+                    chunk_tensor(self._layout, view).copy_(kv.narrow(2, need[j] * size, size))
+                placed = need[: len(res.views)]
+            self._record_inserts(top, keys, placed)
+        overflow = need[len(placed) :]
+        if overflow:
+            await self._put_overflow(keys, kv, overflow)
+        return [i for i, key in enumerate(keys) if self._index.tiers_of(key) & 1]
+
+    async def _put_overflow(
+        self, keys: Sequence[ChunkKey], kv: torch.Tensor, idxs: list[int]
+    ) -> None:
+        """Write chunks the top memory tier could not take straight into the tiers below."""
+        size = self._layout.chunk_size
+        start = 1 if self._memtop is not None else 0
+        for lo in range(0, len(idxs), _STAGE_BATCH):
+            part = idxs[lo : lo + _STAGE_BATCH]
+            stage = np.empty((len(part), self._layout.chunk_bytes), dtype=np.uint8)
+            for row, i in zip(stage, part, strict=True):
+                chunk_tensor(self._layout, row).copy_(kv.narrow(2, i * size, size))
+            left = list(range(len(part)))
+            for slot in self._slots[start:]:
+                if not left:
+                    break
+                flags = await self._put(
+                    slot, [keys[part[j]] for j in left], [stage[j] for j in left]
+                )
+                for j, flag in zip(left, flags, strict=True):
+                    if flag:
+                        self._index.add(keys, part[j], slot.idx)
+                left = [j for j, flag in zip(left, flags, strict=True) if not flag]
+
+    async def _enqueue(self, keys: Sequence[ChunkKey], placed: list[int]) -> None:
+        if self._memtop is None:
+            return
+        jobs: list[tuple[Slot, ChunkKey]] = []
+        for slot in self._through:
+            bit = 1 << slot.idx
+            for i in placed:
+                key = keys[i]
+                if not self._index.tiers_of(key) & bit and key not in slot.queued:
+                    slot.queued.add(key)
+                    jobs.append((slot, key))
+        # NOTE: mark every job pending before the first await, so no chunk can be evicted from
+        # the top tier between being placed there and being queued.
+        for _, key in jobs:
+            self._pending[key] += 1
+        queued = 0
+        try:
+            for slot, key in jobs:
+                assert slot.queue is not None
+                await slot.queue.put(key)
+                queued += 1
+        finally:
+            for slot, key in jobs[queued:]:
+                slot.queued.discard(key)
+                self._release_pending(key)
+
+    def _release_pending(self, key: ChunkKey) -> None:
+        self._pending[key] -= 1
+        if self._pending[key] <= 0:
+            del self._pending[key]
+
+    async def _writer(self, slot: Slot) -> None:
+        queue = slot.queue
+        assert queue is not None and self._memtop is not None
+        while True:
+            batch = [await queue.get()]
+            while batch[-1] is not None and len(batch) < _WRITE_BATCH and not queue.empty():
+                batch.append(queue.get_nowait())
+            keys = [key for key in batch if key is not None]
+            try:
+                if keys:
+                    async with self._memtop.pinned(keys) as views:
+                        held = [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
+                        flags = await self._put(slot, [k for k, _ in held], [v for _, v in held])
+                    for (key, _), flag in zip(held, flags, strict=True):
+                        if flag:
+                            self._index.mark(key, slot.idx)
+            except Exception:  # a writer must outlive any one failed batch
+                logger.exception("kvtiers: write-through to %s failed", slot.tier.name)
+                slot.tier.counters.errors += len(keys)
+            finally:
+                for key in keys:
+                    slot.queued.discard(key)
+                    self._release_pending(key)
+                for _ in batch:
+                    queue.task_done()
+            if batch[-1] is None:
+                return
+
+    # -- eviction ----------------------------------------------------------------------
+
+    async def _put(self, slot: Slot, keys: list[ChunkKey], srcs: list[Buffer]) -> list[bool]:
+        """Put chunks into a tier, first making room when the cache evicts for it."""
+        if not keys:
+            return []
+        if isinstance(slot.tier, MemoryTier):
+            await self._make_room(slot, len(keys), protect=set(keys))
+        flags = await self._call(slot, slot.tier.put(keys, srcs), [False] * len(keys))
+        if slot.policy is not None:
+            for key, flag in zip(reversed(keys), reversed(flags), strict=True):
+                if flag:
+                    slot.policy.insert(key)
+        return flags
+
+    def _record_inserts(self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int]) -> None:
+        for i in idxs:
+            self._index.add(keys, i, slot.idx)
+        if slot.policy is not None:
+            for i in reversed(idxs):
+                slot.policy.insert(keys[i])
+
+    async def _make_room(self, slot: Slot, count: int, protect: set[ChunkKey]) -> None:
+        """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go)."""
+        tier, policy = slot.tier, slot.policy
+        if not isinstance(tier, MemoryTier) or policy is None:
+            return
+        while (need := count - tier.num_free_chunks) > 0:
+            victims = self._pick_victims(slot, tier, policy, need, protect)
+            if not victims:
+                return
+            await self._evict(slot, tier, victims)
+
+    def _pick_victims(
+        self,
+        slot: Slot,
+        tier: MemoryTier,
+        policy: EvictionPolicy,
+        need: int,
+        protect: set[ChunkKey],
+    ) -> list[ChunkKey]:
+        # NOTE: only leaves of this tier go, so no tier holds a suffix without its prefix;
+        # a parent counts as a leaf once all its children in this tier are already picked.
+        gone: Counter[ChunkKey] = Counter()
+        victims: list[ChunkKey] = []
+        for candidate in policy.candidates():
+            key = cast(ChunkKey, candidate)
+            if (
+                key in protect
+                or key in self._evicting
+                or key in self._pending
+                or tier.is_pinned(key)
+                or self._index.children_in(key, slot.idx) > gone[key]
+            ):
+                continue
+            victims.append(key)
+            parent = self._index.parent_of(key)
+            if parent is not None:
+                gone[parent] += 1
+            if len(victims) >= need:
+                break
+        return victims
+
+    async def _evict(self, slot: Slot, tier: MemoryTier, victims: list[ChunkKey]) -> None:
+        self._evicting.update(victims)
+        try:
+            below = self._slots[slot.idx + 1] if slot.idx + 1 < len(self._slots) else None
+            if below is not None and below.config.write_policy == "write_back":
+                async with tier.pinned(victims) as views:
+                    held = [(k, v) for k, v in zip(victims, views, strict=True) if v is not None]
+                    flags = await self._put(below, [k for k, _ in held], [v for _, v in held])
+                for (key, _), flag in zip(held, flags, strict=True):
+                    if flag:
+                        self._index.mark(key, below.idx)
+                        below.tier.counters.demotions += 1
+            await tier.delete(victims)
+            assert slot.policy is not None
+            for key in victims:
+                self._index.discard(key, slot.idx)
+                slot.policy.evicted(key)
+            tier.counters.evictions += len(victims)
+        finally:
+            self._evicting.difference_update(victims)
+
+    async def _call(self, slot: Slot, op: Awaitable[_T], default: _T) -> _T:
+        """Await a tier operation, turning a tier failure into `default` (misses)."""
+        try:
+            return await op
+        except TierError:
+            logger.warning(
+                "kvtiers: tier %s failed; served as misses", slot.tier.name, exc_info=True
+            )
+            slot.tier.counters.errors += 1
+            return default

@@ -1,0 +1,83 @@
+"""Conversions between torch tensors, NumPy buffers and the layout (the facade's helpers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvtiers.core.errors import LayoutMismatch, TokenError
+from kvtiers.core.keys import as_token_array
+from kvtiers.core.layout import KVLayout
+
+__all__ = ["TORCH_DTYPES", "as_tokens", "check_kv", "check_out", "chunk_tensor", "torch_dtype"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    """Return the torch dtype of the layout's elements."""
+    return TORCH_DTYPES[layout.dtype]
+
+
+def as_tokens(tokens: Any) -> npt.NDArray[np.int64]:
+    """Return tokens (list, NumPy array or torch tensor) as a checked int64 array."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TokenError(f"tokens: expected integer ids, got dtype {tokens.dtype}")
+        tokens = tokens.detach().to("cpu").numpy()
+    return as_token_array(tokens)
+
+
+def chunk_tensor(layout: KVLayout, buf: npt.NDArray[np.uint8]) -> torch.Tensor:
+    """Return a chunk payload buffer as a KV tensor of the chunk's shape (no copy)."""
+    return torch.from_numpy(buf).view(torch_dtype(layout)).view(layout.chunk_shape())
+
+
+def check_kv(layout: KVLayout, kv: object, num_tokens: int) -> torch.Tensor:
+    """Check that `kv` holds the KV of `num_tokens` tokens in the layout.
+
+    Raises:
+        LayoutMismatch: not a tensor, or wrong dtype, shape or length.
+    """
+    if not isinstance(kv, torch.Tensor):
+        raise LayoutMismatch(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+    want = layout.kv_shape(num_tokens)
+    if kv.dtype != torch_dtype(layout):
+        raise LayoutMismatch(f"kv: dtype {kv.dtype} does not match the layout's {layout.dtype}")
+    if kv.dim() != len(want):
+        raise LayoutMismatch(f"kv: expected shape {want}, got {tuple(kv.shape)}")
+    if kv.shape[2] != num_tokens:
+        raise LayoutMismatch(f"kv: holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
+    if tuple(kv.shape) != want:
+        raise LayoutMismatch(f"kv: expected shape {want}, got {tuple(kv.shape)}")
+    return kv
+
+
+def check_out(layout: KVLayout, out: object, num_tokens: int) -> torch.Tensor:
+    """Check that `out` can take the KV of `num_tokens` tokens.
+
+    Raises:
+        LayoutMismatch: not a tensor, wrong dtype or shape, or too few tokens.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise LayoutMismatch(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    want = layout.kv_shape(num_tokens)
+    if out.dtype != torch_dtype(layout):
+        raise LayoutMismatch(f"out: dtype {out.dtype} does not match the layout's {layout.dtype}")
+    shape = tuple(out.shape)
+    if len(shape) != len(want) or shape[:2] != want[:2] or shape[3:] != want[3:]:
+        raise LayoutMismatch(f"out: expected shape {want} (more tokens allowed), got {shape}")
+    if shape[2] < num_tokens:
+        raise LayoutMismatch(f"out: room for {shape[2]} tokens, {num_tokens} needed")
+    return out

@@ -1,0 +1,331 @@
+"""`TieredCache`: the one facade over keys, prefix index, eviction and the tier cascade."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import time
+from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+
+from kvtiers._movement import Mover, Slot
+from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
+from kvtiers.core.config import CacheConfig, load_config
+from kvtiers.core.errors import CacheStateError, ConfigError
+from kvtiers.core.index import PrefixIndex
+from kvtiers.core.keys import ChunkHasher, ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import CacheStats
+from kvtiers.eviction import available_policies, make_policy
+from kvtiers.gpu.pinned import pinned_allocator
+from kvtiers.tiers.dram import MemoryTier
+from kvtiers.tiers.registry import TierRegistry
+
+__all__ = ["CacheState", "TieredCache"]
+
+Salt = str | bytes | None
+
+
+class CacheState(enum.Enum):
+    """Lifecycle of a cache: opened once, closed once."""
+
+    UNOPENED = 1  # built; tiers hold no resources yet
+    OPEN = 2  # tiers open, writers running
+    CLOSED = 3  # queues drained, tiers closed; cannot be reopened
+
+
+class TieredCache:
+    """Cache KV chunks across a cascade of tiers and serve the longest cached prefix.
+
+    Use it as an async context manager::
+
+        async with TieredCache.from_config("tiers.toml") as cache:
+            n = await cache.lookup(tokens, salt=tenant)
+            kv = await cache.load(tokens[:n], salt=tenant)
+            await cache.store(tokens, full_kv, salt=tenant)
+
+    All calls must come from the event loop that opened the cache.
+
+    Args:
+        config: the validated config.
+        layout: the KV layout, when the config has none (an engine adapter supplies it).
+        registry: tier kinds to resolve; built-ins plus entry-point plugins by default.
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        layout: KVLayout | None = None,
+        registry: TierRegistry | None = None,
+    ) -> None:
+        layout = layout or config.layout
+        if layout is None:
+            raise ConfigError("layout: required; give a [layout] table or a KVLayout")
+        self.config = config.with_layout(layout)
+        self.layout = layout
+        self._hasher = ChunkHasher(layout.fingerprint, layout.chunk_size)
+        self._index = PrefixIndex(len(config.tiers))
+        self._slots = _build_slots(self.config, layout, registry or TierRegistry())
+        self._mover = Mover(layout, self._index, self._slots, config.write_queue_chunks)
+        self._state = CacheState.UNOPENED
+        self._stack = AsyncExitStack()
+        self._counts: dict[str, float] = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_tokens",
+                "hit_tokens",
+                "loads",
+                "loaded_tokens",
+                "loaded_bytes",
+                "load_seconds",
+                "stores",
+                "stored_tokens",
+            ),
+            0,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        source: str | os.PathLike[str] | Mapping[str, Any] | CacheConfig,
+        *,
+        layout: KVLayout | None = None,
+        registry: TierRegistry | None = None,
+    ) -> TieredCache:
+        """Build a cache from a TOML or YAML file, a dict or a `CacheConfig`.
+
+        Nothing is allocated or opened until the cache is entered (`async with`) or `open`ed.
+
+        Raises:
+            ConfigError: the config is invalid; the message names the field.
+        """
+        config = source if isinstance(source, CacheConfig) else load_config(source)
+        return cls(config, layout=layout, registry=registry)
+
+    @property
+    def state(self) -> CacheState:
+        """The lifecycle state."""
+        return self._state
+
+    @property
+    def tiers(self) -> tuple[Any, ...]:
+        """The tier objects, top first."""
+        return tuple(slot.tier for slot in self._slots)
+
+    async def open(self) -> None:
+        """Open every tier, top first, and start the background writers.
+
+        Raises:
+            CacheStateError: the cache was opened before.
+        """
+        if self._state is not CacheState.UNOPENED:
+            raise CacheStateError(f"a cache can be opened once; this one is {self._state.name}")
+        try:
+            for slot in self._slots:
+                await self._stack.enter_async_context(slot.tier)
+            group = await self._stack.enter_async_context(asyncio.TaskGroup())
+            self._mover.start(group)
+        except BaseException:
+            await self._stack.aclose()
+            self._state = CacheState.CLOSED
+            raise
+        self._state = CacheState.OPEN
+
+    async def close(self) -> None:
+        """Drain the write queues, then close the tiers, bottom first; idempotent.
+
+        After an orderly close every chunk that `store` accepted is in every
+        write-through tier that accepted it.
+        """
+        if self._state is CacheState.OPEN:
+            self._state = CacheState.CLOSED
+            try:
+                await self._mover.drain()
+            finally:
+                await self._stack.aclose()
+        self._state = CacheState.CLOSED
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _ensure_open(self) -> None:
+        if self._state is not CacheState.OPEN:
+            raise CacheStateError(f"the cache is {self._state.name.lower()}, not open")
+
+    def keys(self, tokens: Any, *, salt: Salt = None) -> list[ChunkKey]:
+        """Return the chunk keys of the full chunks of `tokens` (prefix first)."""
+        return self._hasher.keys(as_tokens(tokens), salt)
+
+    async def lookup(self, tokens: Any, *, salt: Salt = None) -> int:
+        """Return the length in tokens of the longest cached prefix of `tokens`.
+
+        The result is a multiple of `chunk_size`. Chunks that another process wrote to a
+        shared tier are found too: the tiers are asked past the last locally known hit.
+
+        Raises:
+            TokenError: `tokens` is not a 1-D sequence of non-negative integer ids.
+        """
+        self._ensure_open()
+        arr = as_tokens(tokens)
+        keys = self._hasher.keys(arr, salt)
+        num_chunks = await self._mover.longest_prefix(keys)
+        hit = num_chunks * self.layout.chunk_size
+        self._counts["lookups"] += 1
+        self._counts["lookup_tokens"] += len(arr)
+        self._counts["hit_tokens"] += hit
+        return hit
+
+    async def load(
+        self, tokens: Any, *, salt: Salt = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Return the KV of the cached prefix of `tokens`.
+
+        Each chunk comes from the highest tier holding it; chunks found in a lower tier are
+        promoted into the top memory tier. The result covers the leading full chunks that
+        could be loaded: normally all of `tokens[: lookup(tokens)]`, fewer if a chunk was
+        evicted (or another process evicted it) in between.
+
+        Args:
+            tokens: token ids (list, NumPy array or torch tensor).
+            salt: the tenant's namespace; chunks of other salts never match.
+            out: a tensor to fill, shaped like the result with at least as many tokens;
+                a new CPU tensor is returned when omitted.
+
+        Returns:
+            KV shaped `(num_layers, 2, n_tokens, num_kv_heads, head_size)` (mha) or
+            `(num_layers, 1, n_tokens, head_size)` (mla); a view of `out` when given.
+
+        Raises:
+            TokenError: bad token ids.
+            LayoutMismatch: `out` has the wrong dtype or shape.
+        """
+        self._ensure_open()
+        start = time.perf_counter()
+        keys = self._hasher.keys(as_tokens(tokens), salt)
+        num_tokens = len(keys) * self.layout.chunk_size
+        if out is None:
+            out = torch.empty(self.layout.kv_shape(num_tokens), dtype=torch_dtype(self.layout))
+        else:
+            check_out(self.layout, out, num_tokens)
+        loaded = await self._mover.load(keys, out) if keys else 0
+        result = out.narrow(2, 0, loaded * self.layout.chunk_size)
+        self._counts["loads"] += 1
+        self._counts["loaded_tokens"] += loaded * self.layout.chunk_size
+        self._counts["loaded_bytes"] += loaded * self.layout.chunk_bytes
+        self._counts["load_seconds"] += time.perf_counter() - start
+        return result
+
+    async def store(self, tokens: Any, kv: torch.Tensor, *, salt: Salt = None) -> int:
+        """Cache the KV of the full chunks of `tokens`.
+
+        The top tier holds the chunks when this returns; write-through tiers receive them in
+        the background (this waits when their queues are full), write-back tiers when the
+        tier above evicts them.
+
+        Args:
+            tokens: token ids (list, NumPy array or torch tensor).
+            kv: KV of every token, shaped as `load` returns it; any device, any strides.
+            salt: the tenant's namespace.
+
+        Returns:
+            Tokens newly stored: full chunks that no tier held before.
+
+        Raises:
+            TokenError: bad token ids.
+            LayoutMismatch: `kv` does not match the layout or the number of tokens.
+        """
+        self._ensure_open()
+        arr = as_tokens(tokens)
+        check_kv(self.layout, kv, len(arr))
+        keys = self._hasher.keys(arr, salt)
+        new_chunks = await self._mover.store(keys, kv) if keys else 0
+        stored = new_chunks * self.layout.chunk_size
+        self._counts["stores"] += 1
+        self._counts["stored_tokens"] += stored
+        return stored
+
+    async def prefetch(self, tokens: Any, *, salt: Salt = None) -> int:
+        """Move the cached prefix of `tokens` up into the top memory tier.
+
+        Awaiting it waits for the move; run it as a task to overlap it with other work.
+
+        Returns:
+            Tokens of the prefix now in the top tier.
+        """
+        self._ensure_open()
+        keys = self._hasher.keys(as_tokens(tokens), salt)
+        return await self._mover.prefetch(keys) * self.layout.chunk_size
+
+    async def flush(self) -> None:
+        """Wait until every chunk queued for a write-through tier is written."""
+        self._ensure_open()
+        await self._mover.flush()
+
+    def stats(self) -> CacheStats:
+        """Return a snapshot of the cache's and every tier's counters."""
+        c = self._counts
+        return CacheStats(
+            lookups=int(c["lookups"]),
+            lookup_tokens=int(c["lookup_tokens"]),
+            hit_tokens=int(c["hit_tokens"]),
+            loads=int(c["loads"]),
+            loaded_tokens=int(c["loaded_tokens"]),
+            loaded_bytes=int(c["loaded_bytes"]),
+            load_seconds=c["load_seconds"],
+            stores=int(c["stores"]),
+            stored_tokens=int(c["stored_tokens"]),
+            write_queue_chunks=self._mover.queued_chunks(),
+            tiers=tuple(slot.tier.stats() for slot in self._slots),
+        )
+
+    def pin_count(self) -> int:
+        """Return the pins held on memory-tier blocks now (zero when idle)."""
+        return sum(
+            slot.tier.total_pins for slot in self._slots if isinstance(slot.tier, MemoryTier)
+        )
+
+
+def _build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) -> list[Slot]:
+    slots: list[Slot] = []
+    allocate = None
+    for tc in config.tiers:
+        cls = registry.resolve(tc.kind, where=tc.where)
+        resources: dict[str, Any] = {}
+        if issubclass(cls, MemoryTier) and tc.kind == "dram":
+            if allocate is None:
+                allocate = pinned_allocator()
+            resources["allocate"] = allocate
+        tier = cls.from_config(tc, layout, **resources)
+        policy = None
+        if not cls.manages_eviction:
+            if tc.eviction not in available_policies():
+                raise ConfigError(
+                    f"{tc.where}.eviction: unknown policy {tc.eviction!r}; expected one of "
+                    f"{', '.join(available_policies())}"
+                )
+            capacity = getattr(tier, "num_chunks", None) or max(
+                1, tc.capacity_bytes // layout.chunk_bytes
+            )
+            policy = make_policy(tc.eviction, capacity)
+        if tc.index > 0 and tc.write_policy == "write_back" and slots[-1].policy is None:
+            raise ConfigError(
+                f"{tc.where}.write_policy: 'write_back' needs the tier above to be evicted by "
+                f"the cache, but {slots[-1].config.kind!r} evicts by itself; use 'write_through'"
+            )
+        slots.append(Slot(idx=tc.index, tier=tier, config=tc, policy=policy))
+    return slots

@@ -1,0 +1,25 @@
+"""Eviction policies: `LRUPolicy`, `ARCPolicy`, and a registry by config name."""
+
+from __future__ import annotations
+
+from kvtiers.eviction.arc import ARCPolicy
+from kvtiers.eviction.base import EvictionPolicy
+from kvtiers.eviction.lru import LRUPolicy
+
+__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "available_policies", "make_policy"]
+
+_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def available_policies() -> list[str]:
+    """Return the config names of the built-in policies."""
+    return sorted(_POLICIES)
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Return a new policy by config name.
+
+    Raises:
+        KeyError: no policy has that name.
+    """
+    return _POLICIES[name](capacity)

@@ -1,0 +1,1 @@
+"""Engine adapters (vLLM, SGLang); nothing in kvtiers imports them."""

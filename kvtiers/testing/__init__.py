@@ -1,0 +1,1 @@
+"""Conformance test suites that policy and tier implementations subclass."""

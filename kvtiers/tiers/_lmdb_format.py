@@ -1,0 +1,249 @@
+"""The on-disk format of the lmdb tier: its four databases and its values.
+
+The environment holds four named databases (see `Databases`); `Writer` keeps them consistent
+within one write transaction: sizes in `meta`, recency in `lru` and `seqs`.
+
+A value is `u16 header length (little-endian) ‖ header ‖ payload`, where the header is the
+msgpack array `[magic, format version, layout fingerprint, key, payload length, checksum]`
+and the checksum is the 8-byte big-endian xxh3_64 digest of the payload. The length prefix
+lets a reader split header and payload without msgpack's streaming API, and because every
+field but the payload length has a fixed size, all values of one layout have the same size.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import lmdb
+import msgpack
+import xxhash
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Databases",
+    "Verdict",
+    "Writer",
+    "check_value",
+    "default_map_size",
+    "open_databases",
+    "pack_value",
+    "read_used_bytes",
+    "value_bytes",
+]
+
+_Bytes = bytes | bytearray | memoryview
+
+MAGIC = b"KVT1"
+"""First header field of every value this format writes."""
+FORMAT_VERSION = 1
+"""Bump when the header changes; entries of another version are then foreign (a miss)."""
+
+_PREFIX = struct.Struct("<H")
+_U64 = struct.Struct(">Q")  # big-endian, so the lru database iterates in sequence order
+_USED, _NEXT_SEQ = b"used_bytes", b"next_seq"
+_NUM_FIELDS = 6
+_PAGE = 4096  # LMDB's page size on the common platforms
+
+
+class Verdict(enum.Enum):
+    """What a stored value turned out to be for the key it was read under."""
+
+    OK = 1  # ours and intact: the payload may be used
+    CORRUPT = 2  # unreadable header, wrong length or checksum
+    FOREIGN = 3  # intact, but of another layout, key or format version
+
+
+def _header(fingerprint: bytes, key: bytes, payload_len: int, checksum: bytes) -> bytes:
+    header: bytes = msgpack.packb(
+        [MAGIC, FORMAT_VERSION, fingerprint, key, payload_len, checksum], use_bin_type=True
+    )
+    return _PREFIX.pack(len(header)) + header
+
+
+def pack_value(fingerprint: bytes, key: bytes, payload: _Bytes) -> bytes:
+    """Return the stored value of `payload` under `key`.
+
+    Args:
+        fingerprint: the layout fingerprint the payload belongs to.
+        key: the chunk key it is stored under.
+        payload: the chunk's bytes, C-contiguous.
+
+    Returns:
+        The header-prefixed value, built with one copy of the payload.
+    """
+    view = memoryview(payload).cast("B")
+    head = _header(fingerprint, key, view.nbytes, xxhash.xxh3_64_digest(view))
+    return b"".join((head, view))
+
+
+def default_map_size(capacity_bytes: int, value_len: int) -> int:
+    """Return a map size that holds `capacity_bytes` of `value_len` values."""
+    # NOTE: a value over half a page lives on overflow pages (16-byte header each), so it takes
+    # whole pages, and each entry has nodes in three B-trees. A quarter more leaves room for the
+    # pages copy-on-write frees only at commit; 64 MiB for branch pages and the free list.
+    per_value = math.ceil((value_len + 16) / _PAGE) * _PAGE + 256
+    size = int(capacity_bytes // value_len * per_value * 1.25) + 64 * 2**20
+    return -(-size // 2**20) * 2**20
+
+
+def value_bytes(fingerprint: bytes, payload_len: int) -> int:
+    """Return the size of a stored value holding `payload_len` payload bytes."""
+    return len(_header(fingerprint, bytes(16), payload_len, bytes(8))) + payload_len
+
+
+def check_value(
+    raw: _Bytes, *, fingerprint: bytes, key: bytes, payload_len: int
+) -> tuple[Verdict, memoryview | None]:
+    """Parse and verify a stored value without copying its payload.
+
+    Args:
+        raw: the stored value (a zero-copy view of the map is fine).
+        fingerprint: the layout fingerprint the reader expects.
+        key: the key the value was read under.
+        payload_len: the payload size the reader expects.
+
+    Returns:
+        The verdict, and for `Verdict.OK` a view of the payload whose checksum matched.
+    """
+    view = memoryview(raw).cast("B")
+    if view.nbytes < _PREFIX.size:
+        return Verdict.CORRUPT, None
+    (header_len,) = _PREFIX.unpack_from(view)
+    end = _PREFIX.size + header_len
+    if end > view.nbytes:
+        return Verdict.CORRUPT, None
+    try:
+        header = msgpack.unpackb(view[_PREFIX.size : end], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return Verdict.CORRUPT, None
+    if not isinstance(header, list) or len(header) != _NUM_FIELDS or header[0] != MAGIC:
+        return Verdict.CORRUPT, None
+    _, version, stored_fingerprint, stored_key, stored_len, checksum = header
+    if version != FORMAT_VERSION or stored_fingerprint != fingerprint or stored_key != key:
+        return Verdict.FOREIGN, None
+    payload = view[end:]
+    if stored_len != payload.nbytes or stored_len != payload_len:
+        return Verdict.CORRUPT, None
+    if xxhash.xxh3_64_digest(payload) != checksum:
+        return Verdict.CORRUPT, None
+    return Verdict.OK, payload
+
+
+class Databases(NamedTuple):
+    """Handles of the environment's named databases."""
+
+    chunks: lmdb._Database  # key -> header-prefixed value
+    lru: lmdb._Database  # seq (u64) ‖ key -> b"": iterates least recently used first
+    seqs: lmdb._Database  # key -> seq (u64): finds a key's lru entry
+    meta: lmdb._Database  # used_bytes, next_seq -> u64
+
+
+def open_databases(env: lmdb.Environment) -> Databases:
+    """Open (creating if missing) the named databases of `env`."""
+    return Databases(*(env.open_db(name.encode()) for name in Databases._fields))
+
+
+def read_used_bytes(txn: lmdb.Transaction[memoryview], dbs: Databases) -> int:
+    """Return the bytes of stored values, as of `txn`."""
+    return _read_u64(txn, dbs, _USED)
+
+
+def _read_u64(txn: lmdb.Transaction[memoryview], dbs: Databases, name: bytes) -> int:
+    raw = txn.get(name, db=dbs.meta)
+    return 0 if raw is None else int(_U64.unpack(raw)[0])
+
+
+class Writer:
+    """Keep sizes and recency consistent within one write transaction.
+
+    Every method blocks; run them off the event loop.
+    """
+
+    def __init__(self, txn: lmdb.Transaction[memoryview], dbs: Databases, capacity: int) -> None:
+        self.txn, self.dbs, self.capacity = txn, dbs, capacity
+        self.used = _read_u64(txn, dbs, _USED)  # bytes of stored values
+        self.next_seq = _read_u64(txn, dbs, _NEXT_SEQ)
+        self.evicted = 0  # entries evicted in this transaction
+
+    def save(self) -> None:
+        self.txn.put(_USED, _U64.pack(self.used), db=self.dbs.meta)
+        self.txn.put(_NEXT_SEQ, _U64.pack(self.next_seq), db=self.dbs.meta)
+
+    def size(self, key: bytes) -> int | None:
+        raw = self.txn.get(key, db=self.dbs.chunks)
+        return None if raw is None else len(raw)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Make `keys` the most recently used, the last key the oldest of them.
+
+        Keys come prefix-first, so a chain's deepest chunk is evicted before its prefix.
+        """
+        base, n = self.next_seq, len(keys)
+        self.next_seq += n
+        for i, key in enumerate(keys):
+            seq = _U64.pack(base + n - 1 - i)
+            old = self.txn.get(key, db=self.dbs.seqs)
+            if old is not None:
+                self.txn.delete(bytes(old) + key, db=self.dbs.lru)
+            self.txn.put(seq + key, b"", db=self.dbs.lru)
+            self.txn.put(key, seq, db=self.dbs.seqs)
+
+    def insert(self, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self.dbs.chunks)
+        self.used += len(value)
+
+    def remove(self, key: bytes) -> bool:
+        size = self.size(key)
+        if size is not None:
+            self.txn.delete(key, db=self.dbs.chunks)
+            self.used -= size
+        # NOTE: no txn.pop: a buffer into a page this transaction changes can be overwritten.
+        old = self.txn.get(key, db=self.dbs.seqs)
+        if old is not None:
+            self.txn.delete(bytes(old) + key, db=self.dbs.lru)
+            self.txn.delete(key, db=self.dbs.seqs)
+        return size is not None
+
+    def discard(self, keys: Sequence[bytes], fingerprint: bytes, payload_len: int) -> list[Verdict]:
+        """Remove the entries under `keys` that fail `check_value`.
+
+        Returns:
+            The verdict of each entry removed.
+        """
+        verdicts: list[Verdict] = []
+        for key in keys:
+            raw = self.txn.get(key, db=self.dbs.chunks)
+            if raw is not None:
+                verdict, _ = check_value(
+                    raw, fingerprint=fingerprint, key=key, payload_len=payload_len
+                )
+                if verdict is not Verdict.OK:
+                    verdicts.append(verdict)
+                    self.remove(key)
+        return verdicts
+
+    def evict(self, need: int, keep: set[bytes], limit: int | None = None) -> None:
+        """Remove least recently used entries until `need` more bytes fit.
+
+        Args:
+            need: bytes about to be added.
+            keep: keys that must stay, whatever their age.
+            limit: what `used` plus `need` may reach; the capacity by default.
+        """
+        limit = self.capacity if limit is None else limit
+        victims, freed = [], 0
+        with self.txn.cursor(db=self.dbs.lru) as cursor:
+            for entry in cursor.iternext(values=False):
+                if self.used - freed + need <= limit:
+                    break
+                key = bytes(entry[_U64.size :])
+                if key not in keep:
+                    victims.append(key)
+                    freed += self.size(key) or 0
+        for key in victims:
+            self.evicted += self.remove(key)

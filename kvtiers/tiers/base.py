@@ -1,0 +1,151 @@
+"""The async tier contract every storage tier implements."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import CacheStateError, InvalidInputError
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import TierCounters, TierStats, TierUsage
+
+__all__ = ["Buffer", "Tier", "TierState"]
+
+Buffer = npt.NDArray[np.uint8]
+"""A chunk's bytes: a uint8 array of `layout.chunk_bytes` bytes, any shape, any strides.
+
+Its C-order element sequence is the payload (`[layer][k|v][token][head][dim]`), so a strided
+view of a caller's KV tensor is a valid destination or source and saves a copy.
+"""
+
+
+class TierState(enum.Enum):
+    """Lifecycle of a tier: opened once, closed once."""
+
+    UNOPENED = 1  # built, holds no resources yet
+    OPEN = 2  # resources held; operations allowed
+    CLOSED = 3  # resources released; cannot be reopened
+
+
+class Tier(ABC):
+    """One storage tier: batched async operations on chunk payloads keyed by `ChunkKey`.
+
+    Results are aligned with the keys; a miss is `False` in its slot, never an exception,
+    also for an entry that fails its checksum or belongs to another layout (it is then
+    deleted and counted in `counters`). Backend failures that are not misses surface as
+    `TierIOError`.
+
+    A tier is an async context manager; `open` acquires its resources and `close` (idempotent)
+    releases them.
+
+    Args:
+        config: this tier's config (capacity, kind options).
+        layout: the KV layout of the chunks it holds.
+    """
+
+    kind: ClassVar[str]
+    """The config `kind` this class implements."""
+    shared: ClassVar[bool] = False
+    """Whether other processes or nodes may write this tier (the local index is then a hint)."""
+    manages_eviction: ClassVar[bool] = False
+    """Whether the tier evicts by capacity itself (shared tiers) instead of the cache's policy."""
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.name = config.name or self.kind
+        self.capacity_bytes = config.capacity_bytes
+        self.counters = TierCounters()
+        self._state = TierState.UNOPENED
+
+    @classmethod
+    def from_config(cls, config: TierConfig, layout: KVLayout, **resources: Any) -> Self:
+        """Build the tier from its config, validating its kind-specific options."""
+        return cls(config, layout, **resources)
+
+    @property
+    def state(self) -> TierState:
+        """The lifecycle state."""
+        return self._state
+
+    async def open(self) -> None:
+        """Acquire the tier's resources.
+
+        Raises:
+            CacheStateError: the tier was opened before.
+        """
+        if self._state is not TierState.UNOPENED:
+            raise CacheStateError(f"tier {self.name!r} cannot be opened twice")
+        await self._open()
+        self._state = TierState.OPEN
+
+    async def close(self) -> None:
+        """Release the tier's resources; a second call does nothing."""
+        if self._state is TierState.OPEN:
+            self._state = TierState.CLOSED
+            await self._close()
+        self._state = TierState.CLOSED
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _open(self) -> None:  # noqa: B027 - an optional hook
+        """Acquire resources (override); the base checks the lifecycle."""
+
+    async def _close(self) -> None:  # noqa: B027 - an optional hook
+        """Release resources (override); called once."""
+
+    def _ensure_open(self) -> None:
+        if self._state is not TierState.OPEN:
+            raise CacheStateError(f"tier {self.name!r} is {self._state.name.lower()}, not open")
+
+    def _check_buffers(self, keys: Sequence[ChunkKey], bufs: Sequence[Buffer]) -> None:
+        if len(keys) != len(bufs):
+            raise InvalidInputError(f"{len(keys)} keys but {len(bufs)} buffers")
+        want = self.layout.chunk_bytes
+        for buf in bufs:
+            if buf.nbytes != want or buf.dtype != np.uint8:
+                raise InvalidInputError(
+                    f"buffer of {buf.nbytes} bytes ({buf.dtype}); expected {want} uint8 bytes"
+                )
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Return, for each key, whether the tier holds it."""
+
+    @abstractmethod
+    async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
+        """Fill each destination with its key's payload; `False` where it is missing."""
+
+    @abstractmethod
+    async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
+        """Store each source under its key; `False` where the tier declined."""
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[ChunkKey]) -> None:
+        """Remove the keys the tier holds; unknown keys are ignored."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage:
+        """Return the tier's capacity and what it holds now."""
+
+    def stats(self) -> TierStats:
+        """Return a snapshot of the tier's counters and usage."""
+        return self.counters.snapshot(self.name, self.kind, self.usage())

@@ -1,0 +1,94 @@
+"""The DRAM tier: the conformance suite plus pinned views and in-place reservations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import ConfigError
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.testing.tiers import SMALL_LAYOUT, TierTests
+from kvtiers.tiers.dram import DRAMTier
+
+
+class TestDRAMTier(TierTests):
+    tier_cls = DRAMTier
+
+    async def make_tier(self, tmp_path: Path, layout: KVLayout, capacity_bytes: int) -> DRAMTier:
+        return DRAMTier(TierConfig("dram", capacity_bytes), layout)
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+def _payload(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, SMALL_LAYOUT.chunk_bytes, dtype=np.uint8)
+
+
+def _tier(num_chunks: int = 4) -> DRAMTier:
+    return DRAMTier(TierConfig("dram", num_chunks * SMALL_LAYOUT.chunk_bytes), SMALL_LAYOUT)
+
+
+async def test_pinned_views_are_zero_copy_and_block_reuse():
+    async with _tier(2) as tier:
+        await tier.put([_key(1)], [_payload(1)])
+        async with tier.pinned([_key(1), _key(2)]) as views:
+            assert views[1] is None
+            view = views[0]
+            assert view is not None and np.shares_memory(view, tier.buffer)
+            assert tier.is_pinned(_key(1)) and tier.total_pins == 1
+            await tier.delete([_key(1)])  # deferred: the block stays intact while pinned
+            assert np.array_equal(view, _payload(1))
+            await tier.put([_key(3)], [_payload(3)])
+            assert np.array_equal(view, _payload(1))  # not reused while pinned
+        assert tier.total_pins == 0
+        assert tier.num_free_chunks == 1
+
+
+async def test_reserve_commits_kept_blocks_and_frees_the_rest():
+    async with _tier(4) as tier:
+        keys = [_key(i) for i in range(6)]
+        async with tier.reserve(keys) as res:
+            assert len(res.views) == 4  # only four blocks exist
+            for i, view in enumerate(res.views):
+                view[:] = _payload(i)
+            res.keep[1] = False
+        assert await tier.contains(keys) == [True, False, True, True, False, False]
+        assert tier.num_free_chunks == 1
+        dst = np.empty(SMALL_LAYOUT.chunk_bytes, np.uint8)
+        assert await tier.get([keys[2]], [dst]) == [True]
+        assert np.array_equal(dst, _payload(2))
+
+
+async def test_reserve_stores_nothing_on_error():
+    async with _tier(4) as tier:
+        with pytest.raises(RuntimeError):
+            async with tier.reserve([_key(1), _key(2)]) as res:
+                res.views[0][:] = 7
+                raise RuntimeError("copy failed")
+        assert await tier.contains([_key(1), _key(2)]) == [False, False]
+        assert tier.num_free_chunks == 4
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: .*too small"):
+        DRAMTier(TierConfig("dram", 100), SMALL_LAYOUT)
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.path: unknown option"):
+        DRAMTier(TierConfig("dram", 1 << 20, options={"path": "/x"}), SMALL_LAYOUT)
+
+
+async def test_custom_allocator_is_used():
+    calls: list[int] = []
+
+    def allocate(num_bytes: int) -> np.ndarray:
+        calls.append(num_bytes)
+        return np.zeros(num_bytes, np.uint8)
+
+    tier = DRAMTier(TierConfig("dram", 3 * SMALL_LAYOUT.chunk_bytes), SMALL_LAYOUT, allocate)
+    async with tier:
+        assert calls == [3 * SMALL_LAYOUT.chunk_bytes]

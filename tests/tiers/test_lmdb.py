@@ -1,0 +1,346 @@
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import CacheStateError, ConfigError, TierIOError
+from kvtiers.core.layout import KVLayout
+from kvtiers.testing.tiers import SMALL_LAYOUT, TierTests
+from kvtiers.tiers._lmdb_format import pack_value, value_bytes
+from kvtiers.tiers.lmdb import LMDBTier
+
+lmdb = pytest.importorskip("lmdb")
+
+REPO = Path(__file__).resolve().parents[2]
+VALUE_BYTES = value_bytes(SMALL_LAYOUT.fingerprint, SMALL_LAYOUT.chunk_bytes)
+
+
+def make_config(db_path: Path | str, /, num_chunks: int = 64, **options: Any) -> TierConfig:
+    return TierConfig(
+        "lmdb", num_chunks * VALUE_BYTES, options={"path": str(db_path), **options}, index=2
+    )
+
+
+class TestLMDBTier(TierTests):
+    tier_cls = LMDBTier
+    atomic_batches = True
+
+    def entry_bytes(self) -> int:
+        return VALUE_BYTES
+
+    async def make_tier(self, tmp_path: Path, layout: KVLayout, capacity_bytes: int) -> LMDBTier:
+        config = TierConfig("lmdb", capacity_bytes, options={"path": str(tmp_path / "lmdb")})
+        return LMDBTier(config, layout)
+
+
+# Helpers bypass the tier: they rewrite stored values through the lmdb module directly.
+
+
+def rewrite_value(path: Path, key: bytes, edit) -> int:
+    """Replace the value under `key` by `edit(value)`; return the new value's length."""
+    env = lmdb.open(str(path), max_dbs=4)
+    try:
+        chunks = env.open_db(b"chunks")
+        with env.begin(write=True, db=chunks) as txn:
+            value = edit(bytes(txn.get(key)))
+            txn.put(key, value)
+    finally:
+        env.close()
+    return len(value)
+
+
+def flip_payload_byte(value: bytes) -> bytes:
+    data = bytearray(value)
+    data[-7] ^= 0xFF
+    return bytes(data)
+
+
+def payloads(num: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, SMALL_LAYOUT.chunk_bytes, dtype=np.uint8) for _ in range(num)]
+
+
+def keys(num: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed + 1000)
+    return [rng.bytes(16) for _ in range(num)]
+
+
+async def put_and_close(path: Path, ks: list[bytes], srcs: list[np.ndarray]) -> None:
+    async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
+        assert await tier.put(ks, srcs) == [True] * len(ks)
+
+
+# -- integrity -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        flip_payload_byte,
+        lambda v: v[:-1],  # truncated payload
+        lambda v: v + b"x",  # payload too long
+        lambda v: b"\xff\x00" + v[2:],  # header length past the end
+        lambda v: v[:2] + b"\xc1" * 8 + v[10:],  # msgpack garbage in the header
+        lambda v: b"",
+    ],
+)
+async def test_corrupt_entry_is_a_deleted_miss(tmp_path: Path, edit) -> None:
+    path, ks, srcs = tmp_path / "db", keys(3), payloads(3)
+    await put_and_close(path, ks, srcs)
+    new_len = rewrite_value(path, ks[1], edit)
+    async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
+        dsts = [np.full(SMALL_LAYOUT.chunk_bytes, 7, dtype=np.uint8) for _ in ks]
+        assert await tier.get(ks, dsts) == [True, False, True]
+        assert (dsts[1] == 7).all()
+        assert np.array_equal(dsts[0], srcs[0]) and np.array_equal(dsts[2], srcs[2])
+        assert (tier.counters.corrupt, tier.counters.foreign) == (1, 0)
+        assert await tier.contains(ks) == [True, False, True]
+        assert tier.usage().num_entries == 2
+        # the entry's stored size is what is given back, so a length-changing edit skews it
+        assert tier.usage().used_bytes == 3 * VALUE_BYTES - new_len
+        # the slot is free again: a new put stores it, and it reads back
+        assert await tier.put(ks[1:2], srcs[1:2]) == [True]
+        assert await tier.get(ks[1:2], dsts[1:2]) == [True]
+        assert np.array_equal(dsts[1], srcs[1])
+
+
+@pytest.mark.parametrize("foreign", ["fingerprint", "key"])
+async def test_foreign_entry_is_a_deleted_miss(tmp_path: Path, foreign: str) -> None:
+    path, ks, srcs = tmp_path / "db", keys(2), payloads(2)
+    await put_and_close(path, ks, srcs)
+    other = KVLayout(model="other", num_layers=2, num_kv_heads=2, head_size=8, dtype="float16")
+    fingerprint = other.fingerprint if foreign == "fingerprint" else SMALL_LAYOUT.fingerprint
+    key = ks[0] if foreign == "fingerprint" else ks[1]
+    rewrite_value(path, ks[0], lambda _: pack_value(fingerprint, key, srcs[0].data))
+    async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
+        dst = np.zeros(SMALL_LAYOUT.chunk_bytes, dtype=np.uint8)
+        assert await tier.get(ks[:1], [dst]) == [False]
+        assert not dst.any()
+        assert (tier.counters.corrupt, tier.counters.foreign) == (0, 1)
+        assert await tier.contains(ks) == [False, True]
+        assert tier.usage().num_entries == 1
+
+
+async def test_reopen_finds_the_data(tmp_path: Path) -> None:
+    path, ks, srcs = tmp_path / "db", keys(5), payloads(5)
+    await put_and_close(path, ks, srcs)
+    async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
+        assert tier.usage().num_entries == 5
+        assert tier.usage().used_bytes == 5 * VALUE_BYTES
+        dsts = [np.empty_like(s) for s in srcs]
+        assert await tier.get(ks, dsts) == [True] * 5
+        assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts, strict=True))
+
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import numpy as np
+    from kvtiers.core.config import TierConfig
+    from kvtiers.core.layout import KVLayout
+    from kvtiers.tiers.lmdb import LMDBTier
+
+    async def main(path, data_dir, layout):
+        data = np.load(data_dir + "/in.npz")
+        keys = [bytes(k) for k in data["keys"]]
+        config = TierConfig("lmdb", 1 << 20, options={"path": path})
+        async with LMDBTier(config, layout) as tier:
+            dsts = [np.zeros(layout.chunk_bytes, np.uint8) for _ in keys]
+            if await tier.get(keys, dsts) != [True] * len(keys):
+                sys.exit("child: parent's chunks missing")
+            if not all(np.array_equal(d, s) for d, s in zip(dsts, data["srcs"])):
+                sys.exit("child: parent's chunks differ")
+            out = np.load(data_dir + "/out.npz")
+            new_keys = [bytes(k) for k in out["keys"]]
+            if await tier.put(new_keys, list(out["srcs"])) != [True] * len(new_keys):
+                sys.exit("child: put declined")
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], KVLayout.from_dict(json.loads(sys.argv[3]))))
+    """
+)
+
+
+def key_array(ks: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(ks), np.uint8).reshape(-1, 16)
+
+
+async def test_two_processes_share_one_path(tmp_path: Path) -> None:
+    path = tmp_path / "db"
+    ks, srcs = keys(6), payloads(6)
+    new_ks, new_srcs = keys(4, seed=1), payloads(4, seed=1)
+    np.savez(tmp_path / "in.npz", keys=key_array(ks), srcs=np.stack(srcs))
+    np.savez(tmp_path / "out.npz", keys=key_array(new_ks), srcs=np.stack(new_srcs))
+    layout_json = json.dumps(dataclasses.asdict(SMALL_LAYOUT))
+    config = TierConfig("lmdb", 1 << 20, options={"path": str(path)})
+    async with LMDBTier(config, SMALL_LAYOUT) as tier:
+        assert await tier.put(ks, srcs) == [True] * 6
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+        child = subprocess.run(
+            [sys.executable, "-c", CHILD, str(path), str(tmp_path), layout_json],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert child.returncode == 0, child.stderr
+        # the child wrote while this process held the environment open
+        dsts = [np.zeros_like(s) for s in new_srcs]
+        assert await tier.get(new_ks, dsts) == [True] * 4
+        assert all(np.array_equal(s, d) for s, d in zip(new_srcs, dsts, strict=True))
+        assert tier.usage().num_entries == 10
+
+
+# -- eviction --------------------------------------------------------------------------------
+
+
+async def test_one_batch_over_capacity_keeps_the_prefix(tmp_path: Path) -> None:
+    chain = keys(6)
+    async with LMDBTier(make_config(tmp_path / "db", num_chunks=4), SMALL_LAYOUT) as tier:
+        assert await tier.put(chain, payloads(6)) == [True] * 4 + [False] * 2
+        assert await tier.contains(chain) == [True] * 4 + [False] * 2
+        assert tier.counters.declined == 2
+        assert tier.usage().used_bytes == 4 * VALUE_BYTES
+
+
+async def test_eviction_takes_the_deepest_chunks_of_the_oldest_chain(tmp_path: Path) -> None:
+    old, new = keys(4), keys(2, seed=1)
+    async with LMDBTier(make_config(tmp_path / "db", num_chunks=4), SMALL_LAYOUT) as tier:
+        await tier.put(old, payloads(4))
+        assert await tier.put(new, payloads(2)) == [True, True]
+        assert await tier.contains(old) == [True, True, False, False]
+        assert await tier.contains(new) == [True, True]
+        assert tier.counters.evictions == 2
+        assert tier.usage().num_entries == 4
+
+
+@pytest.mark.parametrize("read_old", [False, True])
+async def test_a_read_protects_from_eviction(tmp_path: Path, read_old: bool) -> None:
+    a, b, c = keys(2), keys(2, seed=1), keys(2, seed=2)
+    async with LMDBTier(make_config(tmp_path / "db", num_chunks=4), SMALL_LAYOUT) as tier:
+        await tier.put(a, payloads(2))
+        await tier.put(b, payloads(2))
+        if read_old:
+            assert await tier.get(a, payloads(2)) == [True, True]
+        await tier.put(c, payloads(2))  # flushes the touch, then evicts two
+        assert await tier.contains(a) == [read_old] * 2
+        assert await tier.contains(b) == [not read_old] * 2
+
+
+async def test_touches_are_flushed_on_close(tmp_path: Path) -> None:
+    a, b, c = keys(2), keys(2, seed=1), keys(2, seed=2)
+    path = tmp_path / "db"
+    async with LMDBTier(make_config(path, num_chunks=4), SMALL_LAYOUT) as tier:
+        await tier.put(a, payloads(2))
+        await tier.put(b, payloads(2))
+        await tier.get(a, payloads(2))
+    async with LMDBTier(make_config(path, num_chunks=4), SMALL_LAYOUT) as tier:
+        await tier.put(c, payloads(2))
+        assert await tier.contains([*a, *b]) == [True, True, False, False]
+
+
+async def test_full_map_evicts_more_and_retries(tmp_path: Path) -> None:
+    # a map far smaller than the capacity: puts hit MapFullError long before the capacity
+    config = make_config(tmp_path / "db", num_chunks=2000, map_size="1MiB")
+    async with LMDBTier(config, SMALL_LAYOUT) as tier:
+        for seed in range(8):
+            ks = keys(50, seed=seed)
+            assert await tier.put(ks, payloads(50, seed=seed)) == [True] * 50
+        assert tier.counters.evictions > 0
+        assert tier.counters.declined == 0
+        usage = tier.usage()
+        assert usage.used_bytes == usage.num_entries * VALUE_BYTES
+        huge = keys(600, seed=99)  # more than the whole map holds
+        assert await tier.put(huge, payloads(600)) == [False] * 600
+        assert tier.counters.declined == 600
+        assert await tier.contains(huge) == [False] * 600
+
+
+# -- config and open errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"read_threads": 0}, "read_threads"),
+        ({"read_threads": "4"}, "read_threads"),
+        ({"read_threads": True}, "read_threads"),
+        ({"max_readers": 0}, "max_readers"),
+        ({"sync": "yes"}, "sync"),
+        ({"map_size": "lots"}, "map_size"),
+        ({"map_size": 4096}, "map_size"),
+        ({"path": ""}, "path"),
+        ({"path": 3}, "path"),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
+def test_bad_option_names_the_field(tmp_path: Path, options: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^tiers\[2\]\.{field}: "):
+        LMDBTier(make_config(tmp_path, **options), SMALL_LAYOUT)
+
+
+def test_path_is_required() -> None:
+    config = TierConfig("lmdb", 1 << 20, options={}, index=2)
+    with pytest.raises(ConfigError, match=r"^tiers\[2\]\.path: required"):
+        LMDBTier(config, SMALL_LAYOUT)
+
+
+def test_eviction_other_than_lru_is_refused(tmp_path: Path) -> None:
+    config = TierConfig("lmdb", 1 << 20, eviction="arc", options={"path": str(tmp_path)}, index=1)
+    with pytest.raises(ConfigError, match=r"^tiers\[1\]\.eviction: .*least-recently-used"):
+        LMDBTier(config, SMALL_LAYOUT)
+
+
+def test_capacity_below_one_chunk_is_refused(tmp_path: Path) -> None:
+    config = TierConfig("lmdb", VALUE_BYTES - 1, options={"path": str(tmp_path)}, index=3)
+    with pytest.raises(ConfigError, match=r"^tiers\[3\]\.capacity: capacity too small for one"):
+        LMDBTier(config, SMALL_LAYOUT)
+    LMDBTier(make_config(tmp_path, num_chunks=1), SMALL_LAYOUT)  # exactly one fits
+
+
+def test_options_and_default_map_size(tmp_path: Path) -> None:
+    tier = LMDBTier(make_config(tmp_path, read_threads=2, sync=True), SMALL_LAYOUT)
+    options = tier.options
+    assert (options.read_threads, options.sync, options.max_readers) == (2, True, 256)
+    assert tier.map_size % (1 << 20) == 0
+    assert tier.map_size >= 64 * VALUE_BYTES + (64 << 20)
+    assert LMDBTier(make_config(tmp_path, map_size="2GiB"), SMALL_LAYOUT).map_size == 2 << 30
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "proc"])
+async def test_unwritable_path_raises_tier_io_error(tmp_path: Path, where: str) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"in the way")
+    path = {
+        "file": blocker,
+        "under_file": blocker / "db",
+        "proc": Path("/proc/kvtiers-test/db"),
+    }[where]
+    tier = LMDBTier(make_config(path), SMALL_LAYOUT)
+    with pytest.raises(TierIOError, match="cannot open lmdb at") as info:
+        await tier.open()
+    assert str(path) in str(info.value)
+    await tier.close()
+
+
+async def test_usage_needs_an_open_tier(tmp_path: Path) -> None:
+    tier = LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT)
+    with pytest.raises(CacheStateError):
+        tier.usage()
+    async with tier:
+        assert tier.usage().num_entries == 0
+    with pytest.raises(CacheStateError):
+        tier.usage()
+
+
+async def test_same_path_twice_in_one_process_raises(tmp_path: Path) -> None:
+    async with LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT):
+        with pytest.raises(TierIOError, match="already open"):
+            await LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT).open()
