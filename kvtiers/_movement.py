@@ -77,6 +77,8 @@ class Mover:
         top = slots[0].tier
         self._memtop: MemoryTier | None = top if isinstance(top, MemoryTier) else None
         self._shared = [s for s in slots if s.tier.shared]
+        # Index bits of tiers whose residency the index knows exactly (the cache evicts them).
+        self._local_bits = sum(1 << s.idx for s in slots if not s.tier.shared)
         self._through = [s for s in slots[1:] if s.config.write_policy == "write_through"]
         self._pending: Counter[ChunkKey] = Counter()
         self._evicting: set[ChunkKey] = set()
@@ -111,19 +113,31 @@ class Mover:
     # -- lookup ------------------------------------------------------------------------
 
     async def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
-        """Return how many leading `keys` some tier holds, asking shared tiers past the index."""
-        num_chunks = self._index.match(keys).num_chunks
-        if num_chunks == len(keys) or not self._shared:
-            return num_chunks
-        rest = keys[num_chunks:]
+        """Return how many leading `keys` some tier holds.
+
+        The index is trusted for tiers the cache evicts itself. From the first chunk that
+        only a shared tier holds (by the index, a hint: such tiers evict on their own and
+        other processes write them), the shared tiers are asked, and stale hints dropped.
+        """
+        match = self._index.match(keys)
+        trusted = 0
+        for mask in match.tiers:
+            if not mask & self._local_bits:
+                break
+            trusted += 1
+        if trusted == len(keys) or not self._shared:
+            return match.num_chunks
+        rest = keys[trusted:]
         found = [False] * len(rest)
         for slot in self._shared:
             flags = await self._call(slot, slot.tier.contains(rest), [False] * len(rest))
             for j, flag in enumerate(flags):
                 if flag:
                     found[j] = True
-                    self._index.add(keys, num_chunks + j, slot.idx)
-        return num_chunks + _leading(found)
+                    self._index.add(keys, trusted + j, slot.idx)
+                else:
+                    self._index.discard(rest[j], slot.idx)
+        return trusted + _leading(found)
 
     # -- load --------------------------------------------------------------------------
 

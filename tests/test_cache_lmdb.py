@@ -215,3 +215,24 @@ async def test_unwritable_lmdb_path_is_a_typed_error(tmp_path):
 
 def test_small_layout_fixture_matches(layout):
     assert layout == small_layout()
+
+
+async def test_lookup_does_not_trust_stale_hints_of_a_self_evicting_tier(tmp_path, layout):
+    cfg = make_config(tmp_path, dram_chunks=2, lmdb_chunks=2)
+    first, second = _conversations(layout, 2, num_tokens=32)
+    async with TieredCache.from_config(cfg) as cache:
+        await cache.store(*first)
+        await cache.flush()
+        await cache.store(*second)
+        await cache.flush()  # LMDB (2 chunks) evicted `first` on its own
+        n = await cache.lookup(first[0])
+        assert n == (await cache.load(first[0])).shape[2]
+        assert n == 0
+
+
+async def test_stats_after_close(tmp_path, layout):
+    cache = TieredCache.from_config(make_config(tmp_path, lmdb_chunks=10))
+    async with cache:
+        await cache.store(list(range(32)), make_kv(layout, 32))
+    stats = cache.stats()
+    assert stats.tiers[1].usage.num_entries == 2

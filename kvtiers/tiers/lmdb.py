@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import threading
@@ -140,6 +141,7 @@ class LMDBTier(Tier):
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # guards counters and _touched across the pool's threads
         self._touched: list[list[ChunkKey]] = []  # hit batches, flushed by the next write
+        self._last_usage = TierUsage(self.capacity_bytes, 0, 0)  # reported while not open
 
     async def _open(self) -> None:
         # docstring inherited
@@ -200,6 +202,8 @@ class LMDBTier(Tier):
             raise TierIOError(f"{self.name}: lmdb at {self.options.path!r}: {exc}") from exc
         finally:
             if self._env is not None:
+                with contextlib.suppress(lmdb.Error):
+                    self.usage()  # remembered for stats taken after close
                 self._env.close()
             self._env = self._dbs = None
 
@@ -409,15 +413,17 @@ class LMDBTier(Tier):
         self._write(lambda w: [w.remove(key) for key in keys], cancel)
 
     def usage(self) -> TierUsage:
-        # docstring inherited
-        self._ensure_open()
-        env, dbs = self._handles()
+        """Return the tier's capacity and what it holds (as last seen, once closed)."""
+        if self._env is None or self._dbs is None:
+            return self._last_usage
+        env, dbs = self._env, self._dbs
         # NOTE: a read transaction takes no lock and only reads mapped pages, so this one
         # runs on the caller's thread, the event loop included.
         with env.begin(buffers=True) as txn:
             used = fmt.read_used_bytes(txn, dbs)
             entries = txn.stat(dbs.chunks)["entries"]
-        return TierUsage(self.capacity_bytes, used, entries)
+        self._last_usage = TierUsage(self.capacity_bytes, used, entries)
+        return self._last_usage
 
 
 def _check_keys(keys: Sequence[ChunkKey]) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import CacheStateError, ConfigError, TierIOError
+from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.layout import KVLayout
 from kvtiers.testing.tiers import SMALL_LAYOUT, TierTests
 from kvtiers.tiers._lmdb_format import pack_value, value_bytes
@@ -330,14 +330,13 @@ async def test_unwritable_path_raises_tier_io_error(tmp_path: Path, where: str) 
     await tier.close()
 
 
-async def test_usage_needs_an_open_tier(tmp_path: Path) -> None:
+async def test_usage_outside_the_open_state_is_the_last_seen(tmp_path: Path) -> None:
     tier = LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT)
-    with pytest.raises(CacheStateError):
-        tier.usage()
+    assert tier.usage().num_entries == 0  # not open yet: nothing seen
     async with tier:
-        assert tier.usage().num_entries == 0
-    with pytest.raises(CacheStateError):
-        tier.usage()
+        await tier.put([b"k" * 16], [np.zeros(SMALL_LAYOUT.chunk_bytes, np.uint8)])
+        assert tier.usage().num_entries == 1
+    assert tier.usage().num_entries == 1  # closed: as seen at close
 
 
 async def test_same_path_twice_in_one_process_raises(tmp_path: Path) -> None:
