@@ -19,7 +19,7 @@ from typing import TypeVar, cast
 import numpy as np
 import torch
 
-from kvtiers._tensors import chunk_tensor
+from kvtiers._tensors import chunk_tensor, host_bytes
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import TierError
 from kvtiers.core.index import PrefixIndex
@@ -144,13 +144,26 @@ class Mover:
     async def load(self, keys: Sequence[ChunkKey], out: torch.Tensor) -> int:
         """Copy the leading cached chunks of `keys` into `out`; return how many."""
         size = self._layout.chunk_size
-        layout = self._layout
+        out_bytes = host_bytes(out)
+        deliver: Deliver
+        dst_of: Callable[[int], Buffer] | None = None
+        if out_bytes is not None:
 
-        def deliver(i: int, view: Buffer) -> None:
-            out.narrow(2, i * size, size).copy_(chunk_tensor(layout, view))
+            def dst_of(i: int) -> Buffer:
+                return out_bytes[:, :, i * size : (i + 1) * size]
+
+            def deliver(i: int, view: Buffer) -> None:
+                dst = dst_of(i)
+                np.copyto(dst, view.reshape(dst.shape))
+
+        else:
+            layout = self._layout
+
+            def deliver(i: int, view: Buffer) -> None:
+                out.narrow(2, i * size, size).copy_(chunk_tensor(layout, view))
 
         done = [False] * len(keys)
-        await self._gather(keys, deliver, done)
+        await self._gather(keys, deliver, done, dst_of)
         return _leading(done)
 
     async def prefetch(self, keys: Sequence[ChunkKey]) -> int:
@@ -159,12 +172,21 @@ class Mover:
         if self._memtop is None:
             return num_chunks
         done = [False] * num_chunks
-        await self._gather(keys[:num_chunks], None, done)
+        await self._gather(keys[:num_chunks], None, done, None)
         return _leading(done)
 
     async def _gather(
-        self, keys: Sequence[ChunkKey], deliver: Deliver | None, done: list[bool]
+        self,
+        keys: Sequence[ChunkKey],
+        deliver: Deliver | None,
+        done: list[bool],
+        dst_of: Callable[[int], Buffer] | None,
     ) -> None:
+        """Deliver each chunk from the highest tier holding it, promoting lower-tier hits.
+
+        `dst_of(i)`, when given, is chunk i's final destination, which a tier may fill
+        directly when no top-tier block is free for promotion.
+        """
         start = 0
         if self._memtop is not None:
             await self._gather_top(keys, deliver, done)
@@ -177,7 +199,7 @@ class Mover:
                 if not done[i] and (slot.tier.shared or self._index.tiers_of(key) & bit)
             ]
             if todo:
-                await self._gather_from(slot, keys, todo, deliver, done)
+                await self._gather_from(slot, keys, todo, (deliver, dst_of), done)
 
     async def _gather_top(
         self, keys: Sequence[ChunkKey], deliver: Deliver | None, done: list[bool]
@@ -205,9 +227,10 @@ class Mover:
         slot: Slot,
         keys: Sequence[ChunkKey],
         todo: list[int],
-        deliver: Deliver | None,
+        sinks: tuple[Deliver | None, Callable[[int], Buffer] | None],
         done: list[bool],
     ) -> None:
+        deliver, dst_of = sinks
         todo_keys = [keys[i] for i in todo]
         promoted: list[int] = []
         found: list[bool] = []
@@ -229,7 +252,16 @@ class Mover:
             self._record_inserts(top, keys, promoted)
             top.tier.counters.promotions += len(promoted)
         if len(found) < len(todo):
-            found.extend(await self._get_staged(slot, keys, todo[len(found) :], deliver))
+            rest = todo[len(found) :]
+            if dst_of is not None:  # straight into the caller's memory: one copy
+                dsts = [dst_of(i) for i in rest]
+                found.extend(
+                    await self._call(
+                        slot, slot.tier.get([keys[i] for i in rest], dsts), [False] * len(rest)
+                    )
+                )
+            else:
+                found.extend(await self._get_staged(slot, keys, rest, deliver))
         for i, flag in zip(todo, found, strict=True):
             if flag:
                 done[i] = True
@@ -290,9 +322,15 @@ class Mover:
         placed: list[int] = []
         if self._memtop is not None and need:
             await self._make_room(top, len(need), protect=set(keys))
+            kv_bytes = host_bytes(kv)
             async with self._memtop.reserve([keys[i] for i in need]) as res:
                 for j, view in enumerate(res.views):
-                    chunk_tensor(self._layout, view).copy_(kv.narrow(2, need[j] * size, size))
+                    lo = need[j] * size
+                    if kv_bytes is not None:
+                        src = kv_bytes[:, :, lo : lo + size]
+                        np.copyto(view.reshape(src.shape), src)
+                    else:
+                        chunk_tensor(self._layout, view).copy_(kv.narrow(2, lo, size))
                 placed = need[: len(res.views)]
             self._record_inserts(top, keys, placed)
         overflow = need[len(placed) :]

@@ -12,7 +12,15 @@ from kvtiers.core.errors import LayoutMismatch, TokenError
 from kvtiers.core.keys import as_token_array
 from kvtiers.core.layout import KVLayout
 
-__all__ = ["TORCH_DTYPES", "as_tokens", "check_kv", "check_out", "chunk_tensor", "torch_dtype"]
+__all__ = [
+    "TORCH_DTYPES",
+    "as_tokens",
+    "check_kv",
+    "check_out",
+    "chunk_tensor",
+    "host_bytes",
+    "torch_dtype",
+]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -42,6 +50,21 @@ def as_tokens(tokens: Any) -> npt.NDArray[np.int64]:
 def chunk_tensor(layout: KVLayout, buf: npt.NDArray[np.uint8]) -> torch.Tensor:
     """Return a chunk payload buffer as a KV tensor of the chunk's shape (no copy)."""
     return torch.from_numpy(buf).view(torch_dtype(layout)).view(layout.chunk_shape())
+
+
+def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:
+    """Return a uint8 NumPy view of a host tensor, or `None` when there is none.
+
+    The view shares memory, with the last axis in bytes; it exists for CPU tensors whose
+    last axis is contiguous. Chunk copies through it skip per-chunk tensor wrapping, and a
+    tier can read straight into it.
+    """
+    if tensor.device.type != "cpu" or tensor.requires_grad or tensor.stride(-1) != 1:
+        return None
+    try:
+        return tensor.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
 
 
 def check_kv(layout: KVLayout, kv: object, num_tokens: int) -> torch.Tensor:

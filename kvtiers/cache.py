@@ -169,7 +169,7 @@ class TieredCache:
 
     def keys(self, tokens: Any, *, salt: Salt = None) -> list[ChunkKey]:
         """Return the chunk keys of the full chunks of `tokens` (prefix first)."""
-        return self._hasher.keys(as_tokens(tokens), salt)
+        return self._hasher.keys_of_array(as_tokens(tokens), salt)
 
     async def lookup(self, tokens: Any, *, salt: Salt = None) -> int:
         """Return the length in tokens of the longest cached prefix of `tokens`.
@@ -182,7 +182,7 @@ class TieredCache:
         """
         self._ensure_open()
         arr = as_tokens(tokens)
-        keys = self._hasher.keys(arr, salt)
+        keys = self._hasher.keys_of_array(arr, salt)
         num_chunks = await self._mover.longest_prefix(keys)
         hit = num_chunks * self.layout.chunk_size
         self._counts["lookups"] += 1
@@ -216,7 +216,7 @@ class TieredCache:
         """
         self._ensure_open()
         start = time.perf_counter()
-        keys = self._hasher.keys(as_tokens(tokens), salt)
+        keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         num_tokens = len(keys) * self.layout.chunk_size
         if out is None:
             out = torch.empty(self.layout.kv_shape(num_tokens), dtype=torch_dtype(self.layout))
@@ -252,7 +252,7 @@ class TieredCache:
         self._ensure_open()
         arr = as_tokens(tokens)
         check_kv(self.layout, kv, len(arr))
-        keys = self._hasher.keys(arr, salt)
+        keys = self._hasher.keys_of_array(arr, salt)
         new_chunks = await self._mover.store(keys, kv) if keys else 0
         stored = new_chunks * self.layout.chunk_size
         self._counts["stores"] += 1
@@ -268,7 +268,7 @@ class TieredCache:
             Tokens of the prefix now in the top tier.
         """
         self._ensure_open()
-        keys = self._hasher.keys(as_tokens(tokens), salt)
+        keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         return await self._mover.prefetch(keys) * self.layout.chunk_size
 
     async def flush(self) -> None:

@@ -96,6 +96,7 @@ def _run_child(cfg, mode):
     return out.stdout.split()
 
 
+@pytest.mark.slow
 async def test_restart_finds_chunks_in_lmdb(tmp_path, layout):
     cfg = make_config(tmp_path, lmdb_chunks=100)
     assert _run_child(cfg, "store") == ["64"]
@@ -103,6 +104,7 @@ async def test_restart_finds_chunks_in_lmdb(tmp_path, layout):
     assert _run_child(cfg, "load") == ["64", "True"]
 
 
+@pytest.mark.slow
 async def test_two_processes_share_one_lmdb_path(tmp_path, layout):
     cfg = make_config(tmp_path, lmdb_chunks=100)
     async with TieredCache.from_config(cfg) as cache:

@@ -37,7 +37,8 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArr
     if isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, list | tuple):
-        # NOTE: array('q') reads a list of ints ~1.5x faster than np.asarray and refuses floats.
+        # NOTE: array('q') refuses floats (np.asarray would make a float array to reject),
+        # and converts a list of ints at least as fast.
         try:
             arr = np.frombuffer(array.array("q", tokens), dtype=np.int64)
         except (TypeError, OverflowError) as exc:
@@ -90,7 +91,19 @@ class ChunkHasher:
 
         A partial tail chunk has no key. `max_chunks` stops early.
         """
-        arr = as_token_array(tokens)
+        return self.keys_of_array(as_token_array(tokens), salt, max_chunks=max_chunks)
+
+    def keys_of_array(
+        self,
+        arr: npt.NDArray[np.int64],
+        salt: str | bytes | None = None,
+        *,
+        max_chunks: int | None = None,
+    ) -> list[ChunkKey]:
+        """Return the keys of an array that `as_token_array` already returned.
+
+        The same as `keys` without checking the ids again (a caller that checked them once).
+        """
         num_chunks = len(arr) // self.chunk_size
         if max_chunks is not None:
             num_chunks = min(num_chunks, max_chunks)

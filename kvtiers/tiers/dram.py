@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers.base import Buffer, Tier, TierState
 
-__all__ = ["Allocator", "DRAMTier", "MemoryTier", "Reservation"]
+__all__ = ["Allocator", "DRAMTier", "MemoryTier", "PinnedViews", "Reservation", "Reserved"]
 
 Allocator = Callable[[int], Buffer]
 """Return a 1-D uint8 buffer of the given byte size (pinned host memory, for instance)."""
@@ -166,30 +165,17 @@ class MemoryTier(Tier):
         entries = len(self._blocks)
         return TierUsage(self.capacity_bytes, entries * self.layout.chunk_bytes, entries)
 
-    @asynccontextmanager
-    async def pinned(self, keys: Sequence[ChunkKey]) -> AsyncIterator[list[Buffer | None]]:
-        """Pin the resident `keys` and yield their views (`None` where not resident).
+    def pinned(self, keys: Sequence[ChunkKey]) -> PinnedViews:
+        """Return an async context that pins the resident `keys` and yields their views.
 
-        The blocks can be neither evicted nor reused until the context exits, also when the
-        task is cancelled inside it.
+        The views are `None` where a key is not resident. The blocks can be neither evicted
+        nor reused until the context exits, also when the task is cancelled inside it.
         """
         self._ensure_open()
-        block_ids = [self._blocks.get(key) for key in keys]
-        held = [b for b in block_ids if b is not None]
-        for block_id in held:
-            self._pool.pin(block_id)
-        try:
-            yield [None if b is None else self.block_view(b) for b in block_ids]
-        finally:
-            for block_id in held:
-                self._pool.unpin(block_id)
-                if block_id in self._doomed and not self._pool.pin_count(block_id):
-                    self._doomed.discard(block_id)
-                    self._pool.free(block_id)
+        return PinnedViews(self, [self._blocks.get(key) for key in keys])
 
-    @asynccontextmanager
-    async def reserve(self, keys: Sequence[ChunkKey]) -> AsyncIterator[Reservation]:
-        """Yield blocks to fill in place for the leading `keys` that fit.
+    def reserve(self, keys: Sequence[ChunkKey]) -> Reserved:
+        """Return an async context that yields blocks to fill in place for leading `keys`.
 
         Fewer views than keys come back when too few blocks are free. When the context exits
         normally, each block whose `keep` flag is still set becomes its key's entry; the rest
@@ -198,20 +184,70 @@ class MemoryTier(Tier):
         """
         self._ensure_open()
         count = min(len(keys), self._pool.num_free_blocks)
-        block_ids = self._pool.allocate_many(count) or []
-        reservation = Reservation([self.block_view(b) for b in block_ids], [True] * count)
-        committed = False
-        try:
-            yield reservation
-            committed = self._state is TierState.OPEN
-        finally:
-            for key, block_id, keep in zip(keys, block_ids, reservation.keep, strict=False):
-                if committed and keep and key not in self._blocks:
-                    self._blocks[key] = block_id
-                    self.counters.puts += 1
-                    self.counters.bytes_written += self.layout.chunk_bytes
-                else:
-                    self._pool.free(block_id)
+        return Reserved(self, list(keys[:count]), self._pool.allocate_many(count) or [])
+
+    def _unpin(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._pool.unpin(block_id)
+            if block_id in self._doomed and not self._pool.pin_count(block_id):
+                self._doomed.discard(block_id)
+                self._pool.free(block_id)
+
+    def _settle(self, keys: list[ChunkKey], block_ids: list[int], keep: list[bool]) -> None:
+        commit = self._state is TierState.OPEN
+        for key, block_id, kept in zip(keys, block_ids, keep, strict=True):
+            if commit and kept and key not in self._blocks:
+                self._blocks[key] = block_id
+                self.counters.puts += 1
+                self.counters.bytes_written += self.layout.chunk_bytes
+            else:
+                self._pool.free(block_id)
+
+
+class PinnedViews:
+    """Pins held on a memory tier's blocks for one `async with` (see `MemoryTier.pinned`)."""
+
+    __slots__ = ("_block_ids", "_held", "_tier")
+
+    # NOTE: a class rather than @asynccontextmanager: this is on every load's hot path, and
+    # a generator-based context costs about as much as the rest of a small load.
+    def __init__(self, tier: MemoryTier, block_ids: list[int | None]) -> None:
+        self._tier = tier
+        self._block_ids = block_ids
+        self._held: list[int] = []
+
+    async def __aenter__(self) -> list[Buffer | None]:
+        pool, view = self._tier._pool, self._tier.block_view
+        for block_id in self._block_ids:
+            if block_id is not None:
+                pool.pin(block_id)
+                self._held.append(block_id)
+        return [None if b is None else view(b) for b in self._block_ids]
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        held, self._held = self._held, []
+        self._tier._unpin(held)
+
+
+class Reserved:
+    """Blocks reserved on a memory tier for one `async with` (see `MemoryTier.reserve`)."""
+
+    __slots__ = ("_block_ids", "_keys", "_reservation", "_tier")
+
+    def __init__(self, tier: MemoryTier, keys: list[ChunkKey], block_ids: list[int]) -> None:
+        self._tier = tier
+        self._keys = keys
+        self._block_ids = block_ids
+        views = [tier.block_view(b) for b in block_ids]
+        self._reservation = Reservation(views, [True] * len(block_ids))
+
+    async def __aenter__(self) -> Reservation:
+        return self._reservation
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        keep = self._reservation.keep if exc_type is None else [False] * len(self._block_ids)
+        block_ids, self._block_ids = self._block_ids, []
+        self._tier._settle(self._keys, block_ids, keep)
 
 
 @dataclass(slots=True)

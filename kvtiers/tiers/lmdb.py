@@ -28,7 +28,7 @@ __all__ = ["LMDBOptions", "LMDBTier"]
 
 _T = TypeVar("_T")
 _MIB = 2**20
-_OPTIONS = ("map_size", "max_readers", "path", "read_threads", "sync")
+_OPTIONS = ("map_size", "max_readers", "path", "read_threads", "readahead", "sync")
 _MAX_TOUCHED = 4096  # touched keys held in memory before a read flushes them itself
 
 
@@ -46,6 +46,9 @@ class LMDBOptions:
     """Whether each commit is flushed to disk before it returns."""
     max_readers: int = 256
     """Concurrent read transactions, over all processes sharing the environment."""
+    readahead: bool = True
+    """Let the OS read ahead in the map; a chunk is one large value read whole, so on by
+    default (off, each cold 4 KiB page is its own synchronous disk read)."""
 
     @classmethod
     def from_config(cls, config: TierConfig) -> LMDBOptions:
@@ -78,12 +81,16 @@ class LMDBOptions:
         sync = raw.get("sync", False)
         if not isinstance(sync, bool):
             raise ConfigError(f"{where}.sync: expected true or false, got {sync!r}")
+        readahead = raw.get("readahead", True)
+        if not isinstance(readahead, bool):
+            raise ConfigError(f"{where}.readahead: expected true or false, got {readahead!r}")
         return cls(
             path=path,
             read_threads=_int_option(raw, "read_threads", 4, where),
             map_size=map_size,
             sync=sync,
             max_readers=_int_option(raw, "max_readers", 256, where),
+            readahead=readahead,
         )
 
 
@@ -167,7 +174,7 @@ class LMDBTier(Tier):
                 subdir=True,
                 max_dbs=4,
                 lock=True,
-                readahead=False,
+                readahead=self.options.readahead,
                 writemap=False,
                 meminit=False,
                 max_readers=self.options.max_readers,
