@@ -15,6 +15,7 @@ ENTRY_POINT_GROUP = "kvtiers.tiers"
 # Dotted paths, so that resolving a registry imports no backend (lmdb, torch) until used.
 _BUILTIN: dict[str, str] = {
     "dram": "kvtiers.tiers.dram:DRAMTier",
+    "hbm": "kvtiers.gpu.hbm:HBMTier",
     "lmdb": "kvtiers.tiers.lmdb:LMDBTier",
 }
 

@@ -1,0 +1,128 @@
+"""Copy streams and completion events, with no-op stand-ins on CPU.
+
+On CUDA a `CopyStream` wraps a `torch.cuda.Stream` and `record` returns a `torch.cuda.Event`.
+On CPU every copy is synchronous, so the stream does nothing and `record` returns an event
+that has already fired. `wait_event` turns either into an awaitable that polls the event and
+never blocks the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+
+__all__ = ["DONE", "CopyStream", "Event", "wait_event"]
+
+# Polling: for the first _SPIN_S the waiter re-checks on every pass of the event loop
+# (`sleep(0)` lets other tasks run in between), so short copies resolve within
+# microseconds; then it sleeps with an exponential backoff from _FIRST_SLEEP_S up to the
+# caller's cap. NOTE: asyncio's timers wake with about 1 ms granularity on Linux (epoll
+# rounds up), so past the spin phase a wait can overshoot by up to ~1 ms.
+_SPIN_S = 2e-4
+_FIRST_SLEEP_S = 1e-4
+
+
+class Event(Protocol):
+    """What the copy code needs of a completion event (`torch.cuda.Event`)."""
+
+    def query(self) -> bool:
+        """Return whether the work recorded before the event has finished."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until the event has fired (never on the event loop's thread)."""
+        ...
+
+
+class _DoneEvent:
+    """An event that fired already: what a synchronous CPU copy records."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+DONE: Event = _DoneEvent()
+"""The event of work that completed when it was submitted (every copy on CPU)."""
+
+
+class CopyStream:
+    """One stream of copies: a CUDA stream, or a no-op stand-in on CPU.
+
+    Args:
+        device: the device whose copies the stream carries.
+    """
+
+    __slots__ = ("_stream", "device")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # NOTE: default (lowest) priority, so the engine's compute kernels go first.
+        self._stream = (
+            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda"
+            else None
+        )
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether copies on this stream run asynchronously on a CUDA device."""
+        return self._stream is not None
+
+    @contextmanager
+    def use(self) -> Iterator[None]:
+        """Make this stream current for the copies issued inside the context."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def wait_current(self) -> None:
+        """Order later copies after the work already queued on the current stream.
+
+        The engine's current stream is the one that produced (or still reads) its KV, so a
+        gather sees finished KV and a scatter cannot overtake a kernel reading its blocks.
+        Call it outside `use`, where the current stream is still the engine's.
+        """
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        """Block until every copy issued on the stream has finished (not on the loop)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def record(self) -> Event:
+        """Return an event that fires when the copies issued so far have finished."""
+        if self._stream is None:
+            return DONE
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        return event
+
+
+async def wait_event(event: Event, *, max_interval_s: float) -> None:
+    """Wait for `event` to fire without blocking the event loop.
+
+    The event is polled with `query`: on every pass of the loop at first, then sleeping
+    between polls with an exponential backoff capped at `max_interval_s`. An event that
+    has fired returns without suspending.
+    """
+    if event.query():
+        return
+    start = time.perf_counter()
+    delay = 0.0
+    while not event.query():
+        await asyncio.sleep(delay)
+        if delay or time.perf_counter() - start > _SPIN_S:
+            delay = min(max_interval_s, max(2 * delay, _FIRST_SLEEP_S))

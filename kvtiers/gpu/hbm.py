@@ -1,0 +1,380 @@
+"""GPU-memory tier: chunks in blocks of one pre-allocated device buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtiers.core.blockpool import BlockPool
+from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import ConfigError, TierIOError
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import TierUsage
+from kvtiers.gpu._streams import CopyStream, Event, wait_event
+from kvtiers.tiers.base import Buffer, Tier, TierState
+
+__all__ = ["DeviceReservation", "HBMTier"]
+
+_POLL_S = 2.5e-4
+
+
+class HBMTier(Tier):
+    """GPU memory tier: one device buffer of blocks, one chunk per block.
+
+    Beyond the tier contract (whose `get`/`put` copy between device blocks and host
+    buffers on the tier's own stream, from a worker thread on CUDA so that the event loop
+    never blocks) it offers, like `MemoryTier`, `pinned` (device views of resident chunks,
+    pinned for the context) and `reserve` (device blocks to fill in place). A copy engine
+    reads and writes those views directly, so loading a chunk kept here into an engine's
+    paged KV is one device-to-device copy. Eviction is the cache's job: `put` declines
+    when no block is free.
+
+    Config option `device` (default `"cuda:0"`) names the device. `"cpu"` is accepted as
+    a test seam, so the tier's logic runs on machines without a GPU; it is not meant for
+    production (use `dram`).
+
+    Args:
+        config: this tier's config.
+        layout: the KV layout.
+
+    Raises:
+        ConfigError: an unknown option, a bad device, or a capacity below one chunk.
+    """
+
+    kind = "hbm"
+    _OPTIONS = frozenset({"device"})
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        super().__init__(config, layout)
+        unknown = sorted(set(config.options) - self._OPTIONS)
+        if unknown:
+            raise ConfigError(f"{config.where}.{unknown[0]}: unknown option for {self.kind!r}")
+        self.device = _parse_device(config.options.get("device", "cuda:0"), config.where)
+        """The device holding the blocks."""
+        self.num_chunks = config.capacity_bytes // layout.chunk_bytes
+        if self.num_chunks < 1:
+            raise ConfigError(
+                f"{config.where}.capacity: {config.capacity_bytes} bytes is too small for one "
+                f"chunk of {layout.chunk_bytes} bytes"
+            )
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._pool = BlockPool(0)
+        self._blocks: dict[ChunkKey, int] = {}
+        self._doomed: set[int] = set()  # deleted while pinned: freed when the last pin goes
+        # Aborted copies: each release (unpin or free) runs once its event has fired.
+        self._limbo: list[tuple[Event, Callable[[], None]]] = []
+        self._stream: CopyStream | None = None
+
+    @classmethod
+    def from_config(cls, config: TierConfig, layout: KVLayout, **resources: Any) -> HBMTier:
+        # docstring inherited
+        return cls(config, layout)
+
+    async def _open(self) -> None:
+        where = f"{self.config.where}.device"
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"{where}: the hbm tier needs CUDA, and no CUDA device is present"
+                )
+            if (self.device.index or 0) >= torch.cuda.device_count():
+                raise ConfigError(f"{where}: no device {self.device}")
+        try:
+            buffer = torch.empty(
+                self.num_chunks * self.layout.chunk_bytes, dtype=torch.uint8, device=self.device
+            )
+        except RuntimeError as exc:  # torch.OutOfMemoryError derives from it
+            raise TierIOError(f"hbm tier {self.name!r}: cannot allocate: {exc}") from exc
+        self._buffer = buffer
+        self._pool = BlockPool(self.num_chunks)
+        self._stream = CopyStream(self.device)
+
+    async def _close(self) -> None:
+        for event, _ in self._limbo:
+            await wait_event(event, max_interval_s=_POLL_S)
+        self._limbo.clear()
+        self._blocks.clear()
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._stream = None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole device buffer."""
+        return self._buffer
+
+    @property
+    def num_free_chunks(self) -> int:
+        """Blocks free now."""
+        self._reclaim()
+        return self._pool.num_free_blocks
+
+    @property
+    def total_pins(self) -> int:
+        """Sum of pin counts over all blocks (zero when no copy is in flight)."""
+        return self._pool.total_pins()
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """Return the 1-D uint8 device view of one block."""
+        size = self.layout.chunk_bytes
+        return self._buffer[block_id * size : (block_id + 1) * size]
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        """Return whether `key` is resident and pinned."""
+        block_id = self._blocks.get(key)
+        return block_id is not None and self._pool.pin_count(block_id) > 0
+
+    def resident_keys(self) -> list[ChunkKey]:
+        """Return the keys held now."""
+        return list(self._blocks)
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        return [key in self._blocks for key in keys]
+
+    async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        self._check_buffers(keys, dsts)
+        found = [self._blocks.get(key) for key in keys]
+        hits = [(dst, b) for dst, b in zip(dsts, found, strict=True) if b is not None]
+        held = [b for _, b in hits]
+        for block_id in held:
+            self._pool.pin(block_id)
+
+        def copy() -> None:
+            for dst, block_id in hits:
+                _to_host(self.block_view(block_id), dst)
+
+        await self._copy(copy, on_abort=lambda: self._unpin_all(held))
+        self._unpin_all(held)
+        self.counters.hits += len(hits)
+        self.counters.misses += len(keys) - len(hits)
+        self.counters.bytes_read += len(hits) * self.layout.chunk_bytes
+        return [b is not None for b in found]
+
+    async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        self._check_buffers(keys, srcs)
+        self._reclaim()
+        stored = [key in self._blocks for key in keys]
+        writes: list[tuple[int, ChunkKey, int]] = []
+        taken: set[ChunkKey] = set()
+        for i, key in enumerate(keys):
+            if stored[i] or key in taken:
+                stored[i] = True
+                continue
+            block_id = self._pool.allocate()
+            if block_id is None:
+                self.counters.declined += 1
+                continue
+            writes.append((i, key, block_id))
+            taken.add(key)
+        blocks = [b for _, _, b in writes]
+
+        def copy() -> None:
+            for i, _, block_id in writes:
+                _to_device(srcs[i], self.block_view(block_id))
+
+        await self._copy(copy, on_abort=lambda: self._free_all(blocks))
+        for i, key, block_id in writes:
+            if key in self._blocks:  # stored by a concurrent put meanwhile
+                self._pool.free(block_id)
+            else:
+                self._blocks[key] = block_id
+                self.counters.puts += 1
+                self.counters.bytes_written += self.layout.chunk_bytes
+            stored[i] = True
+        return stored
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> None:
+        # docstring inherited
+        self._ensure_open()
+        for key in keys:
+            block_id = self._blocks.pop(key, None)
+            if block_id is None:
+                continue
+            if self._pool.pin_count(block_id):
+                self._doomed.add(block_id)
+            else:
+                self._pool.free(block_id)
+
+    def usage(self) -> TierUsage:
+        # docstring inherited
+        entries = len(self._blocks)
+        return TierUsage(self.capacity_bytes, entries * self.layout.chunk_bytes, entries)
+
+    @asynccontextmanager
+    async def pinned(self, keys: Sequence[ChunkKey]) -> AsyncIterator[list[torch.Tensor | None]]:
+        """Pin resident `keys`; yield their device views (`None` where absent).
+
+        The blocks can be neither evicted nor reused until the context exits, also when the
+        task is cancelled inside it. Await the copies that read the views (shielded from
+        cancellation) before leaving the context.
+        """
+        self._ensure_open()
+        block_ids = [self._blocks.get(key) for key in keys]
+        held = [b for b in block_ids if b is not None]
+        for block_id in held:
+            self._pool.pin(block_id)
+        try:
+            yield [None if b is None else self.block_view(b) for b in block_ids]
+        finally:
+            self._unpin_all(held)
+
+    @asynccontextmanager
+    async def reserve(self, keys: Sequence[ChunkKey]) -> AsyncIterator[DeviceReservation]:
+        """Yield device blocks to fill in place for the leading `keys` that fit.
+
+        As `MemoryTier.reserve`: fewer views than keys come back when too few blocks are
+        free; a normal exit commits each block whose `keep` flag is set and frees the rest;
+        an exception frees them all. Await the copies that fill the views before leaving.
+        """
+        self._ensure_open()
+        self._reclaim()
+        count = min(len(keys), self._pool.num_free_blocks)
+        block_ids = self._pool.allocate_many(count) or []
+        reservation = DeviceReservation([self.block_view(b) for b in block_ids], [True] * count)
+        committed = False
+        try:
+            yield reservation
+            committed = self._state is TierState.OPEN
+        finally:
+            for key, block_id, keep in zip(keys, block_ids, reservation.keep, strict=False):
+                if committed and keep and key not in self._blocks:
+                    self._blocks[key] = block_id
+                    self.counters.puts += 1
+                    self.counters.bytes_written += self.layout.chunk_bytes
+                else:
+                    self._pool.free(block_id)
+
+    async def _copy(self, copy: Callable[[], None], on_abort: Callable[[], None]) -> None:
+        """Run `copy` (host buffers to or from blocks) without blocking the event loop.
+
+        On CPU it runs inline. On CUDA it runs in a worker thread on the tier's stream,
+        which it then synchronises: host buffers may be pageable, and a pageable copy is
+        synchronous. If the wait fails or is cancelled, `on_abort` (unpin or free the
+        blocks) runs only once the thread's copies have finished.
+
+        Raises:
+            TierIOError: the copy failed on the device.
+        """
+        stream = self._stream
+        assert stream is not None  # set by _open; the caller checked that the tier is open
+        if not stream.is_cuda:
+            copy()
+            return
+        finished = threading.Event()
+
+        def work() -> None:
+            try:
+                with stream.use():
+                    copy()
+                    stream.synchronize()
+            finally:
+                finished.set()
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, work)
+        except BaseException as exc:
+            self._limbo.append((_Finished(finished), on_abort))
+            if isinstance(exc, Exception):
+                raise TierIOError(f"hbm tier {self.name!r}: copy failed: {exc}") from exc
+            raise
+
+    def _unpin_all(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._pool.unpin(block_id)
+            if block_id in self._doomed and not self._pool.pin_count(block_id):
+                self._doomed.discard(block_id)
+                self._pool.free(block_id)
+
+    def _free_all(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._pool.free(block_id)
+
+    def _reclaim(self) -> None:
+        """Release the blocks of aborted copies whose device work has finished."""
+        waiting = []
+        for event, release in self._limbo:
+            if event.query():
+                release()
+            else:
+                waiting.append((event, release))
+        self._limbo = waiting
+
+
+class _Finished:
+    """The event of a worker thread's copies: fired once the thread is done."""
+
+    __slots__ = ("_flag",)
+
+    def __init__(self, flag: threading.Event) -> None:
+        self._flag = flag
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+
+
+@dataclass(slots=True)
+class DeviceReservation:
+    """Device blocks reserved by `HBMTier.reserve`, to fill in place."""
+
+    views: list[torch.Tensor]
+    """One 1-D uint8 device view per reserved key, in key order."""
+    keep: list[bool]
+    """Whether to commit each block on exit; clear a flag for a block left unfilled."""
+
+
+def _parse_device(value: object, where: str) -> torch.device:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}.device: expected a device name such as 'cuda:0', got {value!r}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"{where}.device: {value!r} is not a device name ({exc})") from exc
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(f"{where}.device: {value!r} is not a CUDA device such as 'cuda:0'")
+    return device if device.type == "cpu" or device.index is not None else torch.device("cuda", 0)
+
+
+def _host_tensor(buf: Buffer) -> torch.Tensor | None:
+    """Return a tensor sharing `buf`'s memory, or `None` if torch cannot."""
+    try:
+        if buf.flags.writeable:
+            return torch.from_numpy(buf)
+        with warnings.catch_warnings():  # read-only sources are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(buf)
+    except (ValueError, TypeError):  # negative strides
+        return None
+
+
+def _to_host(block: torch.Tensor, dst: Buffer) -> None:
+    host = _host_tensor(dst)
+    if host is None:
+        np.copyto(dst, block.cpu().numpy().reshape(dst.shape))
+        return
+    pinned = block.is_cuda and host.is_pinned()
+    host.copy_(block.view(host.shape), non_blocking=pinned)
+
+
+def _to_device(src: Buffer, block: torch.Tensor) -> None:
+    host = _host_tensor(src)
+    if host is None:
+        host = torch.from_numpy(np.ascontiguousarray(src))
+    pinned = block.is_cuda and host.is_pinned()
+    block.view(host.shape).copy_(host, non_blocking=pinned)
