@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 import numpy as np
-import torch
 
-from kvtiers._tensors import chunk_tensor, host_bytes
+from kvtiers._endpoints import Sink, Source
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import TierError
 from kvtiers.core.index import PrefixIndex
@@ -36,7 +35,6 @@ logger = logging.getLogger("kvtiers")
 _T = TypeVar("_T")
 _WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
 _STAGE_BATCH = 32  # chunks staged in host memory at once when no block is free
-Deliver = Callable[[int, Buffer], None]
 
 
 @dataclass(slots=True, eq=False)
@@ -141,29 +139,10 @@ class Mover:
 
     # -- load --------------------------------------------------------------------------
 
-    async def load(self, keys: Sequence[ChunkKey], out: torch.Tensor) -> int:
-        """Copy the leading cached chunks of `keys` into `out`; return how many."""
-        size = self._layout.chunk_size
-        out_bytes = host_bytes(out)
-        deliver: Deliver
-        dst_of: Callable[[int], Buffer] | None = None
-        if out_bytes is not None:
-
-            def dst_of(i: int) -> Buffer:
-                return out_bytes[:, :, i * size : (i + 1) * size]
-
-            def deliver(i: int, view: Buffer) -> None:
-                dst = dst_of(i)
-                np.copyto(dst, view.reshape(dst.shape))
-
-        else:
-            layout = self._layout
-
-            def deliver(i: int, view: Buffer) -> None:
-                out.narrow(2, i * size, size).copy_(chunk_tensor(layout, view))
-
+    async def load(self, keys: Sequence[ChunkKey], sink: Sink) -> int:
+        """Deliver the leading cached chunks of `keys` to `sink`; return how many."""
         done = [False] * len(keys)
-        await self._gather(keys, deliver, done, dst_of)
+        await self._gather(keys, sink, done)
         return _leading(done)
 
     async def prefetch(self, keys: Sequence[ChunkKey]) -> int:
@@ -172,24 +151,14 @@ class Mover:
         if self._memtop is None:
             return num_chunks
         done = [False] * num_chunks
-        await self._gather(keys[:num_chunks], None, done, None)
+        await self._gather(keys[:num_chunks], None, done)
         return _leading(done)
 
-    async def _gather(
-        self,
-        keys: Sequence[ChunkKey],
-        deliver: Deliver | None,
-        done: list[bool],
-        dst_of: Callable[[int], Buffer] | None,
-    ) -> None:
-        """Deliver each chunk from the highest tier holding it, promoting lower-tier hits.
-
-        `dst_of(i)`, when given, is chunk i's final destination, which a tier may fill
-        directly when no top-tier block is free for promotion.
-        """
+    async def _gather(self, keys: Sequence[ChunkKey], sink: Sink | None, done: list[bool]) -> None:
+        """Deliver each chunk from the highest tier holding it, promoting lower-tier hits."""
         start = 0
         if self._memtop is not None:
-            await self._gather_top(keys, deliver, done)
+            await self._gather_top(keys, sink, done)
             start = 1
         for slot in self._slots[start:]:
             bit = 1 << slot.idx
@@ -199,20 +168,19 @@ class Mover:
                 if not done[i] and (slot.tier.shared or self._index.tiers_of(key) & bit)
             ]
             if todo:
-                await self._gather_from(slot, keys, todo, (deliver, dst_of), done)
+                await self._gather_from(slot, keys, todo, sink, done)
 
     async def _gather_top(
-        self, keys: Sequence[ChunkKey], deliver: Deliver | None, done: list[bool]
+        self, keys: Sequence[ChunkKey], sink: Sink | None, done: list[bool]
     ) -> None:
         top = self._slots[0]
         assert self._memtop is not None
         async with self._memtop.pinned(keys) as views:
             hits = [i for i, view in enumerate(views) if view is not None]
-            for i in hits:
-                view = views[i]
-                if deliver is not None and view is not None:
-                    deliver(i, view)
-                done[i] = True
+            if sink is not None:
+                await sink.deliver(hits, [view for view in views if view is not None])
+        for i in hits:
+            done[i] = True
         counters = top.tier.counters
         counters.hits += len(hits)
         counters.misses += len(keys) - len(hits)
@@ -227,41 +195,34 @@ class Mover:
         slot: Slot,
         keys: Sequence[ChunkKey],
         todo: list[int],
-        sinks: tuple[Deliver | None, Callable[[int], Buffer] | None],
+        sink: Sink | None,
         done: list[bool],
     ) -> None:
-        deliver, dst_of = sinks
         todo_keys = [keys[i] for i in todo]
-        promoted: list[int] = []
         found: list[bool] = []
         if self._memtop is not None:
             top = self._slots[0]
             await self._make_room(top, len(todo), protect=set(keys))
             async with self._memtop.reserve(todo_keys) as res:
                 num = len(res.views)
-                flags = await self._call(
+                found = await self._call(
                     slot, slot.tier.get(todo_keys[:num], res.views), [False] * num
                 )
-                for j, flag in enumerate(flags):
-                    res.keep[j] = flag
-                    if flag:
-                        promoted.append(todo[j])
-                        if deliver is not None:
-                            deliver(todo[j], res.views[j])
-                found.extend(flags)
-            self._record_inserts(top, keys, promoted)
-            top.tier.counters.promotions += len(promoted)
-        if len(found) < len(todo):
-            rest = todo[len(found) :]
-            if dst_of is not None:  # straight into the caller's memory: one copy
-                dsts = [dst_of(i) for i in rest]
-                found.extend(
-                    await self._call(
-                        slot, slot.tier.get([keys[i] for i in rest], dsts), [False] * len(rest)
-                    )
-                )
-            else:
-                found.extend(await self._get_staged(slot, keys, rest, deliver))
+                res.keep[:] = found
+                hit = [j for j, flag in enumerate(found) if flag]
+                if sink is not None:
+                    await sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
+            self._record_inserts(top, keys, [todo[j] for j in hit])
+            top.tier.counters.promotions += len(hit)
+        rest = todo[len(found) :]
+        direct = [sink.direct(i) for i in rest] if sink is not None else []
+        if rest and direct and all(d is not None for d in direct):
+            # Straight into the caller's memory: one copy.
+            dsts = [d for d in direct if d is not None]
+            rest_keys = [keys[i] for i in rest]
+            found += await self._call(slot, slot.tier.get(rest_keys, dsts), [False] * len(rest))
+        elif rest:
+            found += await self._get_staged(slot, keys, rest, sink)
         for i, flag in zip(todo, found, strict=True):
             if flag:
                 done[i] = True
@@ -270,7 +231,7 @@ class Mover:
                 self._index.discard(keys[i], slot.idx)
 
     async def _get_staged(
-        self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], deliver: Deliver | None
+        self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], sink: Sink | None
     ) -> list[bool]:
         found: list[bool] = []
         for lo in range(0, len(idxs), _STAGE_BATCH):
@@ -280,22 +241,22 @@ class Mover:
             flags = await self._call(
                 slot, slot.tier.get([keys[i] for i in part], bufs), [False] * len(part)
             )
-            for i, flag, buf in zip(part, flags, bufs, strict=True):
-                if flag and deliver is not None:
-                    deliver(i, buf)
+            hit = [j for j, flag in enumerate(flags) if flag]
+            if sink is not None:
+                await sink.deliver([part[j] for j in hit], [bufs[j] for j in hit])
             found.extend(flags)
         return found
 
     # -- store -------------------------------------------------------------------------
 
-    async def store(self, keys: Sequence[ChunkKey], kv: torch.Tensor) -> int:
-        """Place the chunks of `kv` in the top tier and queue write-through copies.
+    async def store(self, keys: Sequence[ChunkKey], source: Source) -> int:
+        """Place the chunks of `source` in the top tier and queue write-through copies.
 
         Returns:
             Chunks that no tier held before.
         """
         new = await self._count_new(keys)
-        placed = await self._place_top(keys, kv)
+        placed = await self._place_top(keys, source)
         await self._enqueue(keys, placed)
         return new
 
@@ -314,48 +275,37 @@ class Mover:
             unknown = [i for i in unknown if i not in elsewhere]
         return len(unknown)
 
-    async def _place_top(self, keys: Sequence[ChunkKey], kv: torch.Tensor) -> list[int]:
+    async def _place_top(self, keys: Sequence[ChunkKey], source: Source) -> list[int]:
         """Write the chunks missing from the top tier; return the indices it holds now."""
-        size = self._layout.chunk_size
         top = self._slots[0]
         need = [i for i, key in enumerate(keys) if not self._index.tiers_of(key) & 1]
         placed: list[int] = []
         if self._memtop is not None and need:
             await self._make_room(top, len(need), protect=set(keys))
-            kv_bytes = host_bytes(kv)
             async with self._memtop.reserve([keys[i] for i in need]) as res:
-                for j, view in enumerate(res.views):
-                    lo = need[j] * size
-                    if kv_bytes is not None:
-                        src = kv_bytes[:, :, lo : lo + size]
-                        np.copyto(view.reshape(src.shape), src)
-                    else:
-                        chunk_tensor(self._layout, view).copy_(kv.narrow(2, lo, size))
                 placed = need[: len(res.views)]
+                await source.fill(placed, res.views)
             self._record_inserts(top, keys, placed)
         overflow = need[len(placed) :]
         if overflow:
-            await self._put_overflow(keys, kv, overflow)
+            await self._put_overflow(keys, source, overflow)
         return [i for i, key in enumerate(keys) if self._index.tiers_of(key) & 1]
 
     async def _put_overflow(
-        self, keys: Sequence[ChunkKey], kv: torch.Tensor, idxs: list[int]
+        self, keys: Sequence[ChunkKey], source: Source, idxs: list[int]
     ) -> None:
         """Write chunks the top memory tier could not take straight into the tiers below."""
-        size = self._layout.chunk_size
         start = 1 if self._memtop is not None else 0
         for lo in range(0, len(idxs), _STAGE_BATCH):
             part = idxs[lo : lo + _STAGE_BATCH]
             stage = np.empty((len(part), self._layout.chunk_bytes), dtype=np.uint8)
-            for row, i in zip(stage, part, strict=True):
-                chunk_tensor(self._layout, row).copy_(kv.narrow(2, i * size, size))
+            await source.fill(part, list(stage))
             left = list(range(len(part)))
             for slot in self._slots[start:]:
                 if not left:
                     break
-                flags = await self._put(
-                    slot, [keys[part[j]] for j in left], [stage[j] for j in left]
-                )
+                left_keys = [keys[part[j]] for j in left]
+                flags = await self._put(slot, left_keys, [stage[j] for j in left])
                 for j, flag in zip(left, flags, strict=True):
                     if flag:
                         self._index.add(keys, part[j], slot.idx)

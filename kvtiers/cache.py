@@ -13,6 +13,7 @@ from typing import Any, Self
 
 import torch
 
+from kvtiers._endpoints import PagedSink, PagedSource, TensorSink, TensorSource
 from kvtiers._movement import Mover, Slot
 from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
@@ -22,6 +23,8 @@ from kvtiers.core.keys import ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
 from kvtiers.eviction import available_policies, make_policy
+from kvtiers.gpu.copy_engine import CopyEngine
+from kvtiers.gpu.paged import PagedKV
 from kvtiers.gpu.pinned import pinned_allocator
 from kvtiers.tiers.dram import MemoryTier
 from kvtiers.tiers.registry import TierRegistry
@@ -75,6 +78,7 @@ class TieredCache:
         self._mover = Mover(layout, self._index, self._slots, config.write_queue_chunks)
         self._state = CacheState.UNOPENED
         self._stack = AsyncExitStack()
+        self._engines: dict[torch.device, CopyEngine] = {}
         self._counts: dict[str, float] = dict.fromkeys(
             (
                 "lookups",
@@ -222,7 +226,8 @@ class TieredCache:
             out = torch.empty(self.layout.kv_shape(num_tokens), dtype=torch_dtype(self.layout))
         else:
             check_out(self.layout, out, num_tokens)
-        loaded = await self._mover.load(keys, out) if keys else 0
+        sink = TensorSink(self.layout, out)
+        loaded = await self._mover.load(keys, sink) if keys else 0
         result = out.narrow(2, 0, loaded * self.layout.chunk_size)
         self._counts["loads"] += 1
         self._counts["loaded_tokens"] += loaded * self.layout.chunk_size
@@ -253,11 +258,80 @@ class TieredCache:
         arr = as_tokens(tokens)
         check_kv(self.layout, kv, len(arr))
         keys = self._hasher.keys_of_array(arr, salt)
-        new_chunks = await self._mover.store(keys, kv) if keys else 0
+        source = TensorSource(self.layout, kv)
+        new_chunks = await self._mover.store(keys, source) if keys else 0
         stored = new_chunks * self.layout.chunk_size
         self._counts["stores"] += 1
         self._counts["stored_tokens"] += stored
         return stored
+
+    async def store_paged(
+        self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
+    ) -> int:
+        """Cache the full chunks of `tokens` straight from an engine's paged KV.
+
+        Each chunk is gathered from the engine's blocks into its top-tier block with one
+        copy (device-to-host on dedicated CUDA streams, awaited without blocking the loop).
+
+        Args:
+            tokens: token ids of the request, prefix first.
+            paged: the engine's KV (`PagedKV.vllm_flash`, `.sglang_mha`, `.mla`).
+            block_table: the request's engine block ids in token order.
+            salt: the tenant's namespace.
+
+        Returns:
+            Tokens newly stored.
+
+        Raises:
+            TokenError: bad token ids.
+            LayoutMismatch: `paged` does not match the layout.
+            InvalidInputError: a bad block table; nothing is written.
+        """
+        self._ensure_open()
+        paged.check_layout(self.layout)
+        keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
+        engine = await self._copy_engine(paged.device)
+        source = PagedSource(self.layout, engine, paged, block_table)
+        stored = (await self._mover.store(keys, source) if keys else 0) * self.layout.chunk_size
+        self._counts["stores"] += 1
+        self._counts["stored_tokens"] += stored
+        return stored
+
+    async def load_paged(
+        self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
+    ) -> int:
+        """Load the cached prefix of `tokens` straight into an engine's paged KV.
+
+        Chunks are scattered into the blocks that `block_table` names, with one copy from
+        their tier block (host-to-device on dedicated CUDA streams).
+
+        Returns:
+            Tokens loaded: the leading full chunks delivered (see `load`).
+
+        Raises:
+            TokenError: bad token ids.
+            LayoutMismatch: `paged` does not match the layout.
+            InvalidInputError: a bad block table; nothing is written.
+        """
+        self._ensure_open()
+        start = time.perf_counter()
+        paged.check_layout(self.layout)
+        keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
+        engine = await self._copy_engine(paged.device)
+        sink = PagedSink(self.layout, engine, paged, block_table)
+        loaded = (await self._mover.load(keys, sink) if keys else 0) * self.layout.chunk_size
+        self._counts["loads"] += 1
+        self._counts["loaded_tokens"] += loaded
+        self._counts["loaded_bytes"] += loaded * self.layout.bytes_per_token
+        self._counts["load_seconds"] += time.perf_counter() - start
+        return loaded
+
+    async def _copy_engine(self, device: torch.device) -> CopyEngine:
+        engine = self._engines.get(device)
+        if engine is None:
+            engine = await self._stack.enter_async_context(CopyEngine(self.layout, device))
+            self._engines[device] = engine
+        return engine
 
     async def prefetch(self, tokens: Any, *, salt: Salt = None) -> int:
         """Move the cached prefix of `tokens` up into the top memory tier.

@@ -1,0 +1,146 @@
+"""Where loaded chunks go and where stored chunks come from: tensors or an engine's pages.
+
+The mover hands a sink the tier buffers of some chunks while they are pinned or reserved;
+the sink must finish with them before it returns (a CUDA copy is awaited, also when the
+task is cancelled meanwhile, so no block is reused under a copy in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtiers._tensors import chunk_tensor, host_bytes
+from kvtiers.core.layout import KVLayout
+from kvtiers.gpu.copy_engine import CopyEngine
+from kvtiers.gpu.handle import CopyHandle
+from kvtiers.gpu.paged import PagedKV, payload_tensor
+from kvtiers.tiers.base import Buffer
+
+__all__ = ["PagedSink", "PagedSource", "Sink", "Source", "TensorSink", "TensorSource"]
+
+
+class Sink(ABC):
+    """Receives chunks that a load found, by chunk index."""
+
+    def direct(self, idx: int) -> Buffer | None:
+        """Return host memory a tier may fill with chunk `idx` directly, if any."""
+        return None
+
+    @abstractmethod
+    async def deliver(self, idxs: list[int], views: list[Buffer]) -> None:
+        """Copy chunk `idxs[j]` from `views[j]`; done with the views on return."""
+
+
+class Source(ABC):
+    """Supplies the chunks a store writes, by chunk index."""
+
+    @abstractmethod
+    async def fill(self, idxs: list[int], views: list[Buffer]) -> None:
+        """Copy chunk `idxs[j]` into `views[j]`; done with the views on return."""
+
+
+class TensorSink(Sink):
+    """Deliver into a KV tensor `(num_layers, planes, tokens, ...)` on any device."""
+
+    def __init__(self, layout: KVLayout, out: torch.Tensor) -> None:
+        self._layout = layout
+        self._out = out
+        self._out_bytes = host_bytes(out)
+
+    def direct(self, idx: int) -> Buffer | None:
+        # docstring inherited
+        if self._out_bytes is None:
+            return None
+        size = self._layout.chunk_size
+        return self._out_bytes[:, :, idx * size : (idx + 1) * size]
+
+    async def deliver(self, idxs: list[int], views: list[Buffer]) -> None:
+        # docstring inherited
+        size = self._layout.chunk_size
+        for idx, view in zip(idxs, views, strict=True):
+            dst = self.direct(idx)
+            if dst is not None:  # NOTE: one NumPy copy beats a parallel torch copy per chunk
+                np.copyto(dst, view.reshape(dst.shape))
+            else:
+                self._out.narrow(2, idx * size, size).copy_(chunk_tensor(self._layout, view))
+
+
+class TensorSource(Source):
+    """Fill from a KV tensor `(num_layers, planes, tokens, ...)` on any device."""
+
+    def __init__(self, layout: KVLayout, kv: torch.Tensor) -> None:
+        self._layout = layout
+        self._kv = kv
+        self._kv_bytes = host_bytes(kv)
+
+    async def fill(self, idxs: list[int], views: list[Buffer]) -> None:
+        # docstring inherited
+        size = self._layout.chunk_size
+        for idx, view in zip(idxs, views, strict=True):
+            lo = idx * size
+            if self._kv_bytes is not None:
+                src = self._kv_bytes[:, :, lo : lo + size]
+                np.copyto(view.reshape(src.shape), src)
+            else:
+                chunk_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
+
+
+class PagedSink(Sink):
+    """Scatter into an engine's paged KV through a copy engine."""
+
+    def __init__(
+        self, layout: KVLayout, engine: CopyEngine, paged: PagedKV, block_table: Any
+    ) -> None:
+        self._layout = layout
+        self._engine = engine
+        self._paged = paged
+        self._table = block_table
+
+    async def deliver(self, idxs: list[int], views: list[Buffer]) -> None:
+        # docstring inherited
+        if idxs:
+            srcs = [payload_tensor(self._layout, v) for v in views]
+            await _until_done(self._engine.scatter(self._paged, self._table, idxs, srcs))
+
+
+class PagedSource(Source):
+    """Gather from an engine's paged KV through a copy engine."""
+
+    def __init__(
+        self, layout: KVLayout, engine: CopyEngine, paged: PagedKV, block_table: Any
+    ) -> None:
+        self._layout = layout
+        self._engine = engine
+        self._paged = paged
+        self._table = block_table
+
+    async def fill(self, idxs: list[int], views: list[Buffer]) -> None:
+        # docstring inherited
+        if idxs:
+            dsts = [payload_tensor(self._layout, v) for v in views]
+            await _until_done(self._engine.gather(self._paged, self._table, idxs, dsts))
+
+
+async def _until_done(handle: CopyHandle) -> None:
+    """Await a copy; if cancelled meanwhile, still wait for it before re-raising.
+
+    The caller's pins and reservations are released when this returns, so a block must
+    not be given back while a device copy still reads or writes it.
+    """
+    # NOTE: a short-lived waiter task, owned here: shield keeps the copy's completion
+    # observable after our own await is cancelled.
+    waiter = asyncio.ensure_future(handle.wait())
+    cancelled = False
+    while not waiter.done():
+        try:
+            await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    waiter.result()
