@@ -379,6 +379,13 @@ def _build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) 
     allocate = None
     for tc in config.tiers:
         cls = registry.resolve(tc.kind, where=tc.where)
+        if cls.kind == "hbm":
+            # NOTE: HBMTier's blocks are device tensors; the cascade's promotion and write
+            # queues move host buffers. Until they learn device blocks, refuse it clearly.
+            raise ConfigError(
+                f"{tc.where}.kind: the 'hbm' tier cannot sit in a TieredCache cascade yet; "
+                "put 'dram' at the top (loads into GPU memory go through load_paged)"
+            )
         resources: dict[str, Any] = {}
         if issubclass(cls, MemoryTier) and tc.kind == "dram":
             if allocate is None:
