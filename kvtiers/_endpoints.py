@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvtiers._tensors import chunk_tensor, host_bytes
+from kvtiers._tensors import host_bytes
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.copy_engine import CopyEngine
 from kvtiers.gpu.handle import CopyHandle
 from kvtiers.gpu.paged import PagedKV, payload_tensor
 from kvtiers.tiers.base import Buffer
 
-__all__ = ["PagedSink", "PagedSource", "Sink", "Source", "TensorSink", "TensorSource"]
+__all__ = ["PagedSink", "PagedSource", "Sink", "Source", "TensorSink", "TensorSource", "View"]
+
+View = Buffer | torch.Tensor
+"""A tier block's bytes: a host NumPy view (DRAM) or a device tensor (HBM)."""
 
 
 class Sink(ABC):
@@ -32,7 +36,7 @@ class Sink(ABC):
         return None
 
     @abstractmethod
-    async def deliver(self, idxs: list[int], views: list[Buffer]) -> None:
+    async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         """Copy chunk `idxs[j]` from `views[j]`; done with the views on return."""
 
 
@@ -40,7 +44,7 @@ class Source(ABC):
     """Supplies the chunks a store writes, by chunk index."""
 
     @abstractmethod
-    async def fill(self, idxs: list[int], views: list[Buffer]) -> None:
+    async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         """Copy chunk `idxs[j]` into `views[j]`; done with the views on return."""
 
 
@@ -59,15 +63,16 @@ class TensorSink(Sink):
         size = self._layout.chunk_size
         return self._out_bytes[:, :, idx * size : (idx + 1) * size]
 
-    async def deliver(self, idxs: list[int], views: list[Buffer]) -> None:
+    async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         size = self._layout.chunk_size
         for idx, view in zip(idxs, views, strict=True):
             dst = self.direct(idx)
-            if dst is not None:  # NOTE: one NumPy copy beats a parallel torch copy per chunk
+            if dst is not None and isinstance(view, np.ndarray):
+                # NOTE: one NumPy copy beats a parallel torch copy per chunk on the host.
                 np.copyto(dst, view.reshape(dst.shape))
             else:
-                self._out.narrow(2, idx * size, size).copy_(chunk_tensor(self._layout, view))
+                self._out.narrow(2, idx * size, size).copy_(payload_tensor(self._layout, view))
 
 
 class TensorSource(Source):
@@ -78,16 +83,16 @@ class TensorSource(Source):
         self._kv = kv
         self._kv_bytes = host_bytes(kv)
 
-    async def fill(self, idxs: list[int], views: list[Buffer]) -> None:
+    async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         size = self._layout.chunk_size
         for idx, view in zip(idxs, views, strict=True):
             lo = idx * size
-            if self._kv_bytes is not None:
+            if self._kv_bytes is not None and isinstance(view, np.ndarray):
                 src = self._kv_bytes[:, :, lo : lo + size]
                 np.copyto(view.reshape(src.shape), src)
             else:
-                chunk_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
+                payload_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
 
 
 class PagedSink(Sink):
@@ -101,7 +106,7 @@ class PagedSink(Sink):
         self._paged = paged
         self._table = block_table
 
-    async def deliver(self, idxs: list[int], views: list[Buffer]) -> None:
+    async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         if idxs:
             srcs = [payload_tensor(self._layout, v) for v in views]
@@ -119,7 +124,7 @@ class PagedSource(Source):
         self._paged = paged
         self._table = block_table
 
-    async def fill(self, idxs: list[int], views: list[Buffer]) -> None:
+    async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         if idxs:
             dsts = [payload_tensor(self._layout, v) for v in views]

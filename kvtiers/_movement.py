@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 import numpy as np
+import torch
 
 from kvtiers._endpoints import Sink, Source
 from kvtiers.core.config import TierConfig
@@ -25,6 +26,7 @@ from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.eviction.base import EvictionPolicy
+from kvtiers.gpu.hbm import HBMTier
 from kvtiers.tiers.base import Buffer, Tier
 from kvtiers.tiers.dram import MemoryTier
 
@@ -33,6 +35,10 @@ __all__ = ["Mover", "Slot"]
 logger = logging.getLogger("kvtiers")
 
 _T = TypeVar("_T")
+BlockTier = MemoryTier | HBMTier
+"""A tier of pre-allocated blocks that the cache evicts, with pinned views and reservations."""
+View = Buffer | torch.Tensor
+"""A block view: host bytes (DRAM) or a device tensor (HBM)."""
 _WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
 _STAGE_BATCH = 32  # chunks staged in host memory at once when no block is free
 
@@ -73,7 +79,7 @@ class Mover:
         self._slots = slots
         self._queue_chunks = queue_chunks
         top = slots[0].tier
-        self._memtop: MemoryTier | None = top if isinstance(top, MemoryTier) else None
+        self._memtop: BlockTier | None = top if isinstance(top, BlockTier) else None
         self._shared = [s for s in slots if s.tier.shared]
         # Index bits of tiers whose residency the index knows exactly (the cache evicts them).
         self._local_bits = sum(1 << s.idx for s in slots if not s.tier.shared)
@@ -205,9 +211,7 @@ class Mover:
             await self._make_room(top, len(todo), protect=set(keys))
             async with self._memtop.reserve(todo_keys) as res:
                 num = len(res.views)
-                found = await self._call(
-                    slot, slot.tier.get(todo_keys[:num], res.views), [False] * num
-                )
+                found = await self._get_into(slot, todo_keys[:num], res.views)
                 res.keep[:] = found
                 hit = [j for j, flag in enumerate(found) if flag]
                 if sink is not None:
@@ -229,6 +233,22 @@ class Mover:
                 self._index.add(keys, i, slot.idx)
             else:
                 self._index.discard(keys[i], slot.idx)
+
+    async def _get_into(
+        self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]
+    ) -> list[bool]:
+        """Read chunks from `slot` into block views, staging through host memory for device
+        blocks (a tier reads into host buffers)."""
+        default = [False] * len(keys)
+        host = [v for v in views if isinstance(v, np.ndarray)]
+        if len(host) == len(views):
+            return await self._call(slot, slot.tier.get(keys, host), default)
+        stage = np.empty((len(keys), self._layout.chunk_bytes), dtype=np.uint8)
+        found = await self._call(slot, slot.tier.get(keys, list(stage)), default)
+        for row, view, flag in zip(stage, views, found, strict=True):
+            if flag and isinstance(view, torch.Tensor):
+                view.copy_(torch.from_numpy(row))
+        return found
 
     async def _get_staged(
         self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], sink: Sink | None
@@ -300,16 +320,23 @@ class Mover:
             part = idxs[lo : lo + _STAGE_BATCH]
             stage = np.empty((len(part), self._layout.chunk_bytes), dtype=np.uint8)
             await source.fill(part, list(stage))
+            # Each chunk goes to the first tier below that takes it, and to every
+            # write-through tier under that one, so those still hold all that was stored.
             left = list(range(len(part)))
+            placed: list[int] = []
             for slot in self._slots[start:]:
-                if not left:
-                    break
-                left_keys = [keys[part[j]] for j in left]
-                flags = await self._put(slot, left_keys, [stage[j] for j in left])
-                for j, flag in zip(left, flags, strict=True):
+                through = slot.config.write_policy == "write_through"
+                todo = sorted(set(left) | set(placed)) if through else list(left)
+                if not todo:
+                    continue
+                todo_keys = [keys[part[j]] for j in todo]
+                flags = await self._put(slot, todo_keys, [stage[j] for j in todo])
+                for j, flag in zip(todo, flags, strict=True):
                     if flag:
                         self._index.add(keys, part[j], slot.idx)
-                left = [j for j, flag in zip(left, flags, strict=True) if not flag]
+                        if j in left:
+                            left.remove(j)
+                            placed.append(j)
 
     async def _enqueue(self, keys: Sequence[ChunkKey], placed: list[int]) -> None:
         if self._memtop is None:
@@ -372,11 +399,15 @@ class Mover:
 
     # -- eviction ----------------------------------------------------------------------
 
-    async def _put(self, slot: Slot, keys: list[ChunkKey], srcs: list[Buffer]) -> list[bool]:
-        """Put chunks into a tier, first making room when the cache evicts for it."""
+    async def _put(self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]) -> list[bool]:
+        """Put chunks into a tier, first making room when the cache evicts for it.
+
+        Device views (HBM blocks) are copied to host memory first: tiers take host buffers.
+        """
         if not keys:
             return []
-        if isinstance(slot.tier, MemoryTier):
+        srcs = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v for v in views]
+        if isinstance(slot.tier, BlockTier):
             await self._make_room(slot, len(keys), protect=set(keys))
         flags = await self._call(slot, slot.tier.put(keys, srcs), [False] * len(keys))
         if slot.policy is not None:
@@ -395,7 +426,7 @@ class Mover:
     async def _make_room(self, slot: Slot, count: int, protect: set[ChunkKey]) -> None:
         """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go)."""
         tier, policy = slot.tier, slot.policy
-        if not isinstance(tier, MemoryTier) or policy is None:
+        if not isinstance(tier, BlockTier) or policy is None:
             return
         while (need := count - tier.num_free_chunks) > 0:
             victims = self._pick_victims(slot, tier, policy, need, protect)
@@ -406,7 +437,7 @@ class Mover:
     def _pick_victims(
         self,
         slot: Slot,
-        tier: MemoryTier,
+        tier: BlockTier,
         policy: EvictionPolicy,
         need: int,
         protect: set[ChunkKey],
@@ -433,7 +464,7 @@ class Mover:
                 break
         return victims
 
-    async def _evict(self, slot: Slot, tier: MemoryTier, victims: list[ChunkKey]) -> None:
+    async def _evict(self, slot: Slot, tier: BlockTier, victims: list[ChunkKey]) -> None:
         self._evicting.update(victims)
         try:
             below = self._slots[slot.idx + 1] if slot.idx + 1 < len(self._slots) else None

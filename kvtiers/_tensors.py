@@ -17,7 +17,6 @@ __all__ = [
     "as_tokens",
     "check_kv",
     "check_out",
-    "chunk_tensor",
     "host_bytes",
     "torch_dtype",
 ]
@@ -45,11 +44,6 @@ def as_tokens(tokens: Any) -> npt.NDArray[np.int64]:
             raise TokenError(f"tokens: expected integer ids, got dtype {tokens.dtype}")
         tokens = tokens.detach().to("cpu").numpy()
     return as_token_array(tokens)
-
-
-def chunk_tensor(layout: KVLayout, buf: npt.NDArray[np.uint8]) -> torch.Tensor:
-    """Return a chunk payload buffer as a KV tensor of the chunk's shape (no copy)."""
-    return torch.from_numpy(buf).view(torch_dtype(layout)).view(layout.chunk_shape())
 
 
 def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:

@@ -24,6 +24,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
 from kvtiers.eviction import available_policies, make_policy
 from kvtiers.gpu.copy_engine import CopyEngine
+from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.paged import PagedKV
 from kvtiers.gpu.pinned import pinned_allocator
 from kvtiers.tiers.dram import MemoryTier
@@ -370,7 +371,9 @@ class TieredCache:
     def pin_count(self) -> int:
         """Return the pins held on memory-tier blocks now (zero when idle)."""
         return sum(
-            slot.tier.total_pins for slot in self._slots if isinstance(slot.tier, MemoryTier)
+            slot.tier.total_pins
+            for slot in self._slots
+            if isinstance(slot.tier, MemoryTier | HBMTier)
         )
 
 
@@ -379,13 +382,6 @@ def _build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) 
     allocate = None
     for tc in config.tiers:
         cls = registry.resolve(tc.kind, where=tc.where)
-        if cls.kind == "hbm":
-            # NOTE: HBMTier's blocks are device tensors; the cascade's promotion and write
-            # queues move host buffers. Until they learn device blocks, refuse it clearly.
-            raise ConfigError(
-                f"{tc.where}.kind: the 'hbm' tier cannot sit in a TieredCache cascade yet; "
-                "put 'dram' at the top (loads into GPU memory go through load_paged)"
-            )
         resources: dict[str, Any] = {}
         if issubclass(cls, MemoryTier) and tc.kind == "dram":
             if allocate is None:

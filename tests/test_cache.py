@@ -247,10 +247,3 @@ async def test_prefetch_reports_the_prefix(layout):
     async with TieredCache.from_config(make_config()) as cache:
         await cache.store(list(range(64)), make_kv(layout, 64))
         assert await cache.prefetch(list(range(64)) + [3] * 16) == 64
-
-
-def test_hbm_in_a_cascade_is_refused_with_a_reason():
-    cfg = make_config()
-    cfg["tiers"].insert(0, {"kind": "hbm", "capacity": "1GiB", "device": "cpu"})
-    with pytest.raises(ConfigError, match=r"tiers\[0\]\.kind: the 'hbm' tier cannot sit"):
-        TieredCache.from_config(cfg)
