@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -26,17 +26,14 @@ from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.eviction.base import EvictionPolicy
-from kvtiers.gpu.hbm import HBMTier
 from kvtiers.tiers.base import Buffer, Tier
-from kvtiers.tiers.dram import MemoryTier
+from kvtiers.tiers.blocks import BlockTier
 
 __all__ = ["Mover", "Slot"]
 
 logger = logging.getLogger("kvtiers")
 
 _T = TypeVar("_T")
-BlockTier = MemoryTier | HBMTier
-"""A tier of pre-allocated blocks that the cache evicts, with pinned views and reservations."""
 View = Buffer | torch.Tensor
 """A block view: host bytes (DRAM) or a device tensor (HBM)."""
 _WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
@@ -79,7 +76,7 @@ class Mover:
         self._slots = slots
         self._queue_chunks = queue_chunks
         top = slots[0].tier
-        self._memtop: BlockTier | None = top if isinstance(top, BlockTier) else None
+        self._memtop: BlockTier[Any] | None = top if isinstance(top, BlockTier) else None
         self._shared = [s for s in slots if s.tier.shared]
         # Index bits of tiers whose residency the index knows exactly (the cache evicts them).
         self._local_bits = sum(1 << s.idx for s in slots if not s.tier.shared)
@@ -437,7 +434,7 @@ class Mover:
     def _pick_victims(
         self,
         slot: Slot,
-        tier: BlockTier,
+        tier: BlockTier[Any],
         policy: EvictionPolicy,
         need: int,
         protect: set[ChunkKey],
@@ -464,7 +461,7 @@ class Mover:
                 break
         return victims
 
-    async def _evict(self, slot: Slot, tier: BlockTier, victims: list[ChunkKey]) -> None:
+    async def _evict(self, slot: Slot, tier: BlockTier[Any], victims: list[ChunkKey]) -> None:
         self._evicting.update(victims)
         try:
             below = self._slots[slot.idx + 1] if slot.idx + 1 < len(self._slots) else None

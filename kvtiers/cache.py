@@ -24,9 +24,9 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
 from kvtiers.eviction import available_policies, make_policy
 from kvtiers.gpu.copy_engine import CopyEngine
-from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.paged import PagedKV
 from kvtiers.gpu.pinned import pinned_allocator
+from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.dram import MemoryTier
 from kvtiers.tiers.registry import TierRegistry
 
@@ -370,11 +370,7 @@ class TieredCache:
 
     def pin_count(self) -> int:
         """Return the pins held on memory-tier blocks now (zero when idle)."""
-        return sum(
-            slot.tier.total_pins
-            for slot in self._slots
-            if isinstance(slot.tier, MemoryTier | HBMTier)
-        )
+        return sum(slot.tier.total_pins for slot in self._slots if isinstance(slot.tier, BlockTier))
 
 
 def _build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) -> list[Slot]:

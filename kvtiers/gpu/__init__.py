@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvtiers.gpu.copy_engine import CopyEngine, EngineState, LayerFeed
 from kvtiers.gpu.handle import CopyHandle, CopyStats
-from kvtiers.gpu.hbm import DeviceReservation, HBMTier
+from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.paged import PagedKind, PagedKV, payload_tensor
 from kvtiers.gpu.pinned import cuda_available, pinned_allocator
 
@@ -16,7 +16,6 @@ __all__ = [
     "CopyEngine",
     "CopyHandle",
     "CopyStats",
-    "DeviceReservation",
     "EngineState",
     "HBMTier",
     "LayerFeed",

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,16 +16,16 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import TierUsage
 from kvtiers.gpu._streams import CopyStream, Event, wait_event
-from kvtiers.tiers.base import Buffer, Tier, TierState
+from kvtiers.tiers.base import Buffer
+from kvtiers.tiers.blocks import BlockTier
 
-__all__ = ["DeviceReservation", "HBMTier"]
+__all__ = ["HBMTier"]
 
 _POLL_S = 2.5e-4
 
 
-class HBMTier(Tier):
+class HBMTier(BlockTier[torch.Tensor]):
     """GPU memory tier: one device buffer of blocks, one chunk per block.
 
     Beyond the tier contract (whose `get`/`put` copy between device blocks and host
@@ -55,21 +53,9 @@ class HBMTier(Tier):
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
-        unknown = sorted(set(config.options) - self._OPTIONS)
-        if unknown:
-            raise ConfigError(f"{config.where}.{unknown[0]}: unknown option for {self.kind!r}")
         self.device = _parse_device(config.options.get("device", "cuda:0"), config.where)
         """The device holding the blocks."""
-        self.num_chunks = config.capacity_bytes // layout.chunk_bytes
-        if self.num_chunks < 1:
-            raise ConfigError(
-                f"{config.where}.capacity: {config.capacity_bytes} bytes is too small for one "
-                f"chunk of {layout.chunk_bytes} bytes"
-            )
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._pool = BlockPool(0)
-        self._blocks: dict[ChunkKey, int] = {}
-        self._doomed: set[int] = set()  # deleted while pinned: freed when the last pin goes
         # Aborted copies: each release (unpin or free) runs once its event has fired.
         self._limbo: list[tuple[Event, Callable[[], None]]] = []
         self._stream: CopyStream | None = None
@@ -111,35 +97,10 @@ class HBMTier(Tier):
         """The whole device buffer."""
         return self._buffer
 
-    @property
-    def num_free_chunks(self) -> int:
-        """Blocks free now."""
-        self._reclaim()
-        return self._pool.num_free_blocks
-
-    @property
-    def total_pins(self) -> int:
-        """Sum of pin counts over all blocks (zero when no copy is in flight)."""
-        return self._pool.total_pins()
-
     def block_view(self, block_id: int) -> torch.Tensor:
         """Return the 1-D uint8 device view of one block."""
         size = self.layout.chunk_bytes
         return self._buffer[block_id * size : (block_id + 1) * size]
-
-    def is_pinned(self, key: ChunkKey) -> bool:
-        """Return whether `key` is resident and pinned."""
-        block_id = self._blocks.get(key)
-        return block_id is not None and self._pool.pin_count(block_id) > 0
-
-    def resident_keys(self) -> list[ChunkKey]:
-        """Return the keys held now."""
-        return list(self._blocks)
-
-    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        # docstring inherited
-        self._ensure_open()
-        return [key in self._blocks for key in keys]
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -155,8 +116,8 @@ class HBMTier(Tier):
             for dst, block_id in hits:
                 _to_host(self.block_view(block_id), dst)
 
-        await self._copy(copy, on_abort=lambda: self._unpin_all(held))
-        self._unpin_all(held)
+        await self._copy(copy, on_abort=lambda: self._unpin(held))
+        self._unpin(held)
         self.counters.hits += len(hits)
         self.counters.misses += len(keys) - len(hits)
         self.counters.bytes_read += len(hits) * self.layout.chunk_bytes
@@ -186,77 +147,14 @@ class HBMTier(Tier):
             for i, _, block_id in writes:
                 _to_device(srcs[i], self.block_view(block_id))
 
-        await self._copy(copy, on_abort=lambda: self._free_all(blocks))
+        await self._copy(copy, on_abort=lambda: self._free(blocks))
         for i, key, block_id in writes:
             if key in self._blocks:  # stored by a concurrent put meanwhile
                 self._pool.free(block_id)
             else:
-                self._blocks[key] = block_id
-                self.counters.puts += 1
-                self.counters.bytes_written += self.layout.chunk_bytes
+                self._commit(key, block_id)
             stored[i] = True
         return stored
-
-    async def delete(self, keys: Sequence[ChunkKey]) -> None:
-        # docstring inherited
-        self._ensure_open()
-        for key in keys:
-            block_id = self._blocks.pop(key, None)
-            if block_id is None:
-                continue
-            if self._pool.pin_count(block_id):
-                self._doomed.add(block_id)
-            else:
-                self._pool.free(block_id)
-
-    def usage(self) -> TierUsage:
-        # docstring inherited
-        entries = len(self._blocks)
-        return TierUsage(self.capacity_bytes, entries * self.layout.chunk_bytes, entries)
-
-    @asynccontextmanager
-    async def pinned(self, keys: Sequence[ChunkKey]) -> AsyncIterator[list[torch.Tensor | None]]:
-        """Pin resident `keys`; yield their device views (`None` where absent).
-
-        The blocks can be neither evicted nor reused until the context exits, also when the
-        task is cancelled inside it. Await the copies that read the views (shielded from
-        cancellation) before leaving the context.
-        """
-        self._ensure_open()
-        block_ids = [self._blocks.get(key) for key in keys]
-        held = [b for b in block_ids if b is not None]
-        for block_id in held:
-            self._pool.pin(block_id)
-        try:
-            yield [None if b is None else self.block_view(b) for b in block_ids]
-        finally:
-            self._unpin_all(held)
-
-    @asynccontextmanager
-    async def reserve(self, keys: Sequence[ChunkKey]) -> AsyncIterator[DeviceReservation]:
-        """Yield device blocks to fill in place for the leading `keys` that fit.
-
-        As `MemoryTier.reserve`: fewer views than keys come back when too few blocks are
-        free; a normal exit commits each block whose `keep` flag is set and frees the rest;
-        an exception frees them all. Await the copies that fill the views before leaving.
-        """
-        self._ensure_open()
-        self._reclaim()
-        count = min(len(keys), self._pool.num_free_blocks)
-        block_ids = self._pool.allocate_many(count) or []
-        reservation = DeviceReservation([self.block_view(b) for b in block_ids], [True] * count)
-        committed = False
-        try:
-            yield reservation
-            committed = self._state is TierState.OPEN
-        finally:
-            for key, block_id, keep in zip(keys, block_ids, reservation.keep, strict=False):
-                if committed and keep and key not in self._blocks:
-                    self._blocks[key] = block_id
-                    self.counters.puts += 1
-                    self.counters.bytes_written += self.layout.chunk_bytes
-                else:
-                    self._pool.free(block_id)
 
     async def _copy(self, copy: Callable[[], None], on_abort: Callable[[], None]) -> None:
         """Run `copy` (host buffers to or from blocks) without blocking the event loop.
@@ -292,17 +190,6 @@ class HBMTier(Tier):
                 raise TierIOError(f"hbm tier {self.name!r}: copy failed: {exc}") from exc
             raise
 
-    def _unpin_all(self, block_ids: list[int]) -> None:
-        for block_id in block_ids:
-            self._pool.unpin(block_id)
-            if block_id in self._doomed and not self._pool.pin_count(block_id):
-                self._doomed.discard(block_id)
-                self._pool.free(block_id)
-
-    def _free_all(self, block_ids: list[int]) -> None:
-        for block_id in block_ids:
-            self._pool.free(block_id)
-
     def _reclaim(self) -> None:
         """Release the blocks of aborted copies whose device work has finished."""
         waiting = []
@@ -327,16 +214,6 @@ class _Finished:
 
     def synchronize(self) -> None:
         self._flag.wait()
-
-
-@dataclass(slots=True)
-class DeviceReservation:
-    """Device blocks reserved by `HBMTier.reserve`, to fill in place."""
-
-    views: list[torch.Tensor]
-    """One 1-D uint8 device view per reserved key, in key order."""
-    keep: list[bool]
-    """Whether to commit each block on exit; clear a flag for a block left unfilled."""
 
 
 def _parse_device(value: object, where: str) -> torch.device:
