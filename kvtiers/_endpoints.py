@@ -95,8 +95,8 @@ class TensorSource(Source):
                 payload_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
 
 
-class PagedSink(Sink):
-    """Scatter into an engine's paged KV through a copy engine."""
+class _Paged:
+    """An engine's paged KV, reached through a copy engine."""
 
     def __init__(
         self, layout: KVLayout, engine: CopyEngine, paged: PagedKV, block_table: Any
@@ -105,6 +105,10 @@ class PagedSink(Sink):
         self._engine = engine
         self._paged = paged
         self._table = block_table
+
+
+class PagedSink(_Paged, Sink):
+    """Scatter into an engine's paged KV through a copy engine."""
 
     async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
@@ -113,16 +117,8 @@ class PagedSink(Sink):
             await _until_done(self._engine.scatter(self._paged, self._table, idxs, srcs))
 
 
-class PagedSource(Source):
+class PagedSource(_Paged, Source):
     """Gather from an engine's paged KV through a copy engine."""
-
-    def __init__(
-        self, layout: KVLayout, engine: CopyEngine, paged: PagedKV, block_table: Any
-    ) -> None:
-        self._layout = layout
-        self._engine = engine
-        self._paged = paged
-        self._table = block_table
 
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
