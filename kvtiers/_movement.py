@@ -21,7 +21,6 @@ import torch
 
 from kvtiers._endpoints import Sink, Source
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import TierError
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
@@ -483,10 +482,14 @@ class Mover:
             self._evicting.difference_update(victims)
 
     async def _call(self, slot: Slot, op: Awaitable[_T], default: _T) -> _T:
-        """Await a tier operation, turning a tier failure into `default` (misses)."""
+        """Await a tier operation, turning a tier failure into `default` (misses).
+
+        Any exception a tier raises counts: a backend error that escaped the tier's own
+        translation must not reach the engine either. Cancellation still propagates.
+        """
         try:
             return await op
-        except TierError:
+        except Exception:
             logger.warning(
                 "kvtiers: tier %s failed; served as misses", slot.tier.name, exc_info=True
             )

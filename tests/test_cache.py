@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvtiers
+import kvtiers.tiers
 from kvtiers import (
     CacheStateError,
     ConfigError,
@@ -247,3 +248,41 @@ async def test_prefetch_reports_the_prefix(layout):
     async with TieredCache.from_config(make_config()) as cache:
         await cache.store(list(range(64)), make_kv(layout, 64))
         assert await cache.prefetch(list(range(64)) + [3] * 16) == 64
+
+
+class _BrokenTier(kvtiers.tiers.Tier):
+    """A shared tier whose backend fails with raw errors, as a buggy plugin might."""
+
+    kind = "broken"
+    shared = True
+    manages_eviction = True
+
+    async def contains(self, keys):
+        raise OSError("backend down")
+
+    async def get(self, keys, dsts):
+        raise OSError("backend down")
+
+    async def put(self, keys, srcs):
+        raise OSError("backend down")
+
+    async def delete(self, keys):
+        raise OSError("backend down")
+
+    def usage(self):
+        return kvtiers.TierUsage(self.capacity_bytes, 0, 0)
+
+
+async def test_a_failing_tier_is_a_counted_miss_never_an_error(layout):
+    registry = kvtiers.tiers.TierRegistry(load_entry_points=False)
+    registry.register("broken", _BrokenTier)
+    cfg = make_config(dram_chunks=2)
+    cfg["tiers"].append({"kind": "broken", "capacity": "1MiB"})
+    kv = make_kv(layout, 64)
+    async with TieredCache.from_config(cfg, registry=registry) as cache:
+        await cache.store(list(range(64)), kv)  # 4 chunks, DRAM holds 2
+        await cache.flush()
+        # DRAM took the first two chunks; the broken tier declined the rest.
+        assert await cache.lookup(list(range(64))) == 32
+        assert same_bytes(await cache.load(list(range(64))), kv[:, :, :32])
+        assert cache.stats().tiers[1].errors > 0

@@ -1,0 +1,197 @@
+"""The vLLM connector's settings and the per-step plan the scheduler sends to the workers.
+
+Nothing here imports vLLM: the plan travels inside vLLM's connector metadata (pickled to
+the worker processes), so it is made of plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtiers.core.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "ConnectorSettings",
+    "LoadSpec",
+    "SaveSpec",
+    "StepPlan",
+    "chunk_size_for",
+    "config_identity",
+    "tokens_of",
+    "tokens_to_bytes",
+]
+
+Salt = str | bytes | None
+
+#: Tiers used when the extra config names none: one DRAM tier.
+DEFAULT_CONFIG: Mapping[str, Any] = {"tiers": [{"kind": "dram", "capacity": "2GiB"}]}
+
+_PREFERRED_CHUNK = 256
+_WHERE = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What `kv_connector_extra_config` may say; every key is optional."""
+
+    config: str | Mapping[str, Any] | None = None
+    """The kvtiers config: a TOML/YAML path or an inline dict (tiers; a layout is ignored)."""
+    chunk_size: int | None = None
+    """Tokens per chunk, a multiple of vLLM's block size; 256 (or near it) by default."""
+    model_name: str | None = None
+    """Name in the layout fingerprint; vLLM's `model` (path or id) by default."""
+    store_generated: bool = False
+    """Also store full chunks of generated tokens when a request finishes."""
+    lookup_wait_ms: float = 20.0
+    """How long the scheduler waits for a lookup before answering 'ask again later'."""
+    lookup_deadline_s: float = 5.0
+    """How long a lookup may take in all before it counts as a miss."""
+    load_timeout_s: float = 30.0
+    """How long a worker waits for a load before reporting its blocks as failed."""
+    close_timeout_s: float = 60.0
+    """How long shutdown waits for saves in flight and write queues."""
+    max_pending_saves: int = 64
+    """Saves in flight per worker; beyond it a save is skipped (counted), never waited on."""
+    socket_dir: str | None = None
+    """Folder of the lookup channel's Unix sockets; the system's temp folder by default."""
+    on_load_error: Literal["recompute", "fail"] = "recompute"
+    """What vLLM does when a load fails: recompute (kvtiers' default) or fail the request."""
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Validate `kv_connector_extra_config`.
+
+        Raises:
+            ConfigError: an unknown key or a bad value; the message names the key.
+        """
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"{_WHERE}.{unknown[0]}: unknown key; expected one of {', '.join(sorted(known))}"
+            )
+        settings = cls(**extra)
+        settings._check()
+        return settings
+
+    def _check(self) -> None:
+        if self.config is not None and not isinstance(self.config, str | Mapping):
+            raise ConfigError(f"{_WHERE}.config: expected a file path or a table")
+        if self.chunk_size is not None and (
+            isinstance(self.chunk_size, bool)
+            or not isinstance(self.chunk_size, int)
+            or self.chunk_size < 1
+        ):
+            raise ConfigError(f"{_WHERE}.chunk_size: expected a positive integer")
+        if self.model_name is not None and (
+            not isinstance(self.model_name, str) or not self.model_name
+        ):
+            raise ConfigError(f"{_WHERE}.model_name: expected a non-empty string")
+        if not isinstance(self.store_generated, bool):
+            raise ConfigError(f"{_WHERE}.store_generated: expected true or false")
+        for name in ("lookup_wait_ms", "lookup_deadline_s", "load_timeout_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"{_WHERE}.{name}: expected a non-negative number")
+        if (
+            isinstance(self.max_pending_saves, bool)
+            or not isinstance(self.max_pending_saves, int)
+            or self.max_pending_saves < 1
+        ):
+            raise ConfigError(f"{_WHERE}.max_pending_saves: expected a positive integer")
+        if self.socket_dir is not None and not isinstance(self.socket_dir, str):
+            raise ConfigError(f"{_WHERE}.socket_dir: expected a folder path")
+        if self.on_load_error not in ("recompute", "fail"):
+            raise ConfigError(f"{_WHERE}.on_load_error: expected 'recompute' or 'fail'")
+
+    def tiers_source(self) -> str | Mapping[str, Any]:
+        """Return the kvtiers config to build the cache from."""
+        return DEFAULT_CONFIG if self.config is None else self.config
+
+
+def chunk_size_for(block_size: int, requested: int | None) -> int:
+    """Return the chunk size: `requested`, or 256 when `block_size` divides it.
+
+    Otherwise the multiple of `block_size` nearest to 256 (at least one block).
+
+    Raises:
+        ConfigError: `requested` is not a multiple of `block_size`.
+    """
+    if requested is not None:
+        if requested % block_size:
+            raise ConfigError(
+                f"{_WHERE}.chunk_size: {requested} is not a multiple of vLLM's block size "
+                f"{block_size}"
+            )
+        return requested
+    if _PREFERRED_CHUNK % block_size == 0:
+        return _PREFERRED_CHUNK
+    return block_size * max(1, round(_PREFERRED_CHUNK / block_size))
+
+
+def config_identity(source: str | Mapping[str, Any]) -> Hashable:
+    """Return a key that is equal for two spellings of one kvtiers config."""
+    if isinstance(source, str | os.PathLike):
+        return ("path", str(Path(source).expanduser().resolve()))
+    return ("inline", json.dumps(source, sort_keys=True, default=str))
+
+
+def tokens_to_bytes(tokens: Any) -> bytes:
+    """Return token ids as int64 little-endian bytes (compact to pickle)."""
+    return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def tokens_of(raw: bytes) -> npt.NDArray[np.int64]:
+    """Return the token ids packed by `tokens_to_bytes`."""
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load the KV of tokens `[start, end)` of a request into its blocks."""
+
+    req_id: str
+    tokens: bytes
+    """The cached prefix's token ids (int64 bytes), whole chunks, at least `end` tokens."""
+    salt: Salt
+    block_ids: tuple[int, ...]
+    """The blocks of tokens `[start, end)`, in order."""
+    start: int
+    """First token to load; a multiple of the block size."""
+    end: int
+    """One past the last token to load; a multiple of the block size."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the full chunks of `tokens`, whose KV sits in `block_ids`."""
+
+    req_id: str
+    tokens: bytes
+    """Token ids (int64 bytes), a whole number of chunks."""
+    salt: Salt
+    block_ids: tuple[int, ...]
+    """The blocks of every token, in order."""
+    finished: bool = False
+    """The request has finished and its blocks wait for this save (reported via get_finished)."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the workers load and save in one engine step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)

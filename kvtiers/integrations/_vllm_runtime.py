@@ -1,0 +1,182 @@
+"""Threads, loops and the per-process cache registry behind the vLLM connector.
+
+vLLM calls a connector synchronously from its own threads, while `TieredCache` is asyncio
+and must be used from the loop that opened it. Each cache therefore lives on a
+`LoopThread`: a dedicated event loop in a daemon thread; connector code submits coroutines
+to it and waits on `concurrent.futures.Future`s with timeouts.
+
+`CACHES` is the one deliberate process-level object in the adapter. LMDB allows one open
+environment per path per process, and with `VLLM_ENABLE_V1_MULTIPROCESSING=0` vLLM builds
+the scheduler-side and worker-side connectors (and, in tests, several engines one after
+another) in one process. They must share one `TieredCache` per config and layout, opened
+once and closed when the last user releases it. The registry also lets the scheduler side
+find the worker's cache when both live in one process (no lookup channel needed then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvtiers.cache import TieredCache
+
+__all__ = ["CACHES", "CacheRegistry", "LoopThread", "SharedCache"]
+
+logger = logging.getLogger("kvtiers.vllm")
+
+_T = TypeVar("_T")
+
+
+class LoopThread:
+    """An asyncio event loop running in a daemon thread of its own.
+
+    Args:
+        name: the thread's name (shown in stack dumps).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+        # NOTE: cancel what is left so no task outlives its loop with a pending warning.
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        self._loop.close()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop; schedule work on it only through `submit`."""
+        return self._loop
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop still runs."""
+        return self._thread.is_alive() and not self._loop.is_closed()
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        """Schedule `coro` on the loop; return a future for its result.
+
+        Raises:
+            RuntimeError: the loop is closed (`coro` is closed, never left unawaited).
+        """
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except BaseException:
+            coro.close()
+            raise
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        """Run `coro` on the loop and wait for its result (never call from the loop)."""
+        return self.submit(coro).result(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop and join the thread; idempotent."""
+        if self._loop.is_closed():
+            return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a LoopThread cannot stop itself from its own thread")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+
+@dataclass(eq=False)
+class SharedCache:
+    """One open `TieredCache`, its loop, and how many connectors use it."""
+
+    key: Hashable
+    loop: LoopThread
+    cache: TieredCache
+    refs: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Per-cache services started by a user (the lookup server), closed with the cache."""
+
+
+class CacheRegistry:
+    """Share one open `TieredCache` per (config, layout) within a process, counted by users."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Hashable, SharedCache] = {}
+        self._engines: dict[tuple[str, int], SharedCache] = {}
+
+    def acquire(
+        self, key: Hashable, build: Callable[[], TieredCache], *, open_timeout: float = 120.0
+    ) -> SharedCache:
+        """Return the open cache under `key`, building and opening it on first use.
+
+        Raises:
+            Exception: whatever building or opening the cache raised (nothing is kept).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                loop = LoopThread(name="kvtiers-loop")
+                try:
+                    cache = build()
+                    loop.run(cache.open(), open_timeout)
+                except BaseException:
+                    loop.stop()
+                    raise
+                entry = SharedCache(key=key, loop=loop, cache=cache)
+                self._entries[key] = entry
+            entry.refs += 1
+            return entry
+
+    def release(self, entry: SharedCache, *, close_timeout: float = 60.0) -> None:
+        """Drop one use of `entry`; the last one closes the cache and stops its loop."""
+        # NOTE: the lock is held while closing, so a new user of the same config waits
+        # for the close instead of opening the same LMDB path a second time.
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            self._entries.pop(entry.key, None)
+            for name, value in list(self._engines.items()):
+                if value is entry:
+                    del self._engines[name]
+            try:
+                if entry.loop.alive:
+                    entry.loop.run(_close(entry), close_timeout)
+            except Exception:
+                logger.exception("kvtiers: closing the cache failed")
+            finally:
+                entry.loop.stop()
+
+    def publish(self, engine_id: str, rank: int, entry: SharedCache) -> None:
+        """Record that the worker of `engine_id`, rank `rank`, uses `entry` in this process."""
+        with self._lock:
+            self._engines[(engine_id, rank)] = entry
+
+    def find(self, engine_id: str, rank: int) -> SharedCache | None:
+        """Return the cache the worker of `engine_id`, rank `rank`, uses in this process."""
+        with self._lock:
+            return self._engines.get((engine_id, rank))
+
+
+async def _close(entry: SharedCache) -> None:
+    for extra in list(entry.extras.values()):
+        closer = getattr(extra, "aclose", None)
+        if closer is not None:
+            try:
+                await closer()
+            except Exception:
+                logger.exception("kvtiers: closing %r failed", extra)
+    entry.extras.clear()
+    await entry.cache.close()
+
+
+#: The process's registry; see the module docstring for why it is process-level.
+CACHES = CacheRegistry()

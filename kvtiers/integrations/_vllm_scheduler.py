@@ -1,0 +1,291 @@
+"""The scheduler side of the vLLM connector: lookups, load and save planning.
+
+vLLM objects are used duck-typed (`request.request_id`, `all_token_ids`, ...), so this
+module imports no vLLM and is tested with stand-ins.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtiers.integrations._vllm_plan import (
+    ConnectorSettings,
+    LoadSpec,
+    SaveSpec,
+    StepPlan,
+    tokens_to_bytes,
+)
+
+__all__ = ["Lookup", "SchedulerSide", "salt_of"]
+
+logger = logging.getLogger("kvtiers.vllm")
+
+Salt = str | bytes | None
+Lookup = Callable[[npt.NDArray[np.int64], Salt], "concurrent.futures.Future[int]"]
+"""Start a lookup of a token prefix; the future gives the cached length in tokens."""
+
+
+def salt_of(request: Any) -> Salt:
+    """Return the kvtiers salt of a request: its cache salt and LoRA adapter, if any.
+
+    KV computed under another adapter or tenant salt must never match.
+    """
+    parts: list[str] = []
+    cache_salt = getattr(request, "cache_salt", None)
+    if cache_salt:
+        parts.append(f"salt={cache_salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', lora)}")
+    return "\x1f".join(parts) or None
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    """What the scheduler side knows about one live request."""
+
+    request: Any
+    salt: Salt
+    eligible: bool
+    """False for requests kvtiers cannot key (multimodal inputs, prompt embeddings)."""
+    answer: int | None = None
+    """Cached prefix length from the last finished lookup, until it is used."""
+    future: concurrent.futures.Future[int] | None = None
+    asked_at: float = 0.0
+    asked_computed: int = 0
+    """`num_computed_tokens` of the last `get_num_new_matched_tokens` call."""
+    cached: int = 0
+    """Tokens of the request known to be in kvtiers (found by a lookup, or saved)."""
+
+
+class SchedulerSide:
+    """Answer `get_num_new_matched_tokens` and build each step's `StepPlan`.
+
+    Args:
+        settings: the connector settings.
+        block_size: vLLM's block size in tokens.
+        chunk_size: kvtiers' chunk size, a multiple of `block_size`.
+        lookup: starts a lookup; resolved on first use (it may need the workers up).
+        clock: monotonic seconds (injected for tests).
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        block_size: int,
+        chunk_size: int,
+        lookup: Callable[[], Lookup],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._block = block_size
+        self._chunk = chunk_size
+        self._make_lookup = lookup
+        self._lookup: Lookup | None = None
+        self._clock = clock
+        self._reqs: dict[str, _Tracked] = {}
+        self._plan = StepPlan()
+        self._lock = threading.Lock()
+        self._counts = {
+            "lookups": 0,
+            "lookup_tokens": 0,
+            "lookup_hit_tokens": 0,
+            "lookup_retries": 0,
+            "lookup_timeouts": 0,
+            "lookup_errors": 0,
+            "planned_load_tokens": 0,
+            "planned_save_tokens": 0,
+        }
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._reqs.get(request.request_id)
+        if tracked is None:
+            eligible = not getattr(request, "mm_features", None) and (
+                getattr(request, "prompt_embeds", None) is None
+            )
+            tracked = _Tracked(request=request, salt=salt_of(request), eligible=eligible)
+            self._reqs[request.request_id] = tracked
+        return tracked
+
+    def on_new_request(self, request: Any) -> None:
+        """Start tracking `request`."""
+        self._track(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Return how many tokens past `num_computed_tokens` kvtiers can load.
+
+        Side-effect free for vLLM: callable many times; the answer of a finished lookup is
+        kept until blocks are allocated. `None` means 'ask again later' (a lookup is still
+        running, e.g. on a slow shared tier). Loads are synchronous (layer by layer in the
+        forward pass), so the second value is always False.
+        """
+        tracked = self._track(request)
+        # NOTE: vLLM must compute at least one token itself, so the last prompt token is
+        # never offered; only whole chunks count.
+        limit = (request.num_tokens - 1) // self._chunk * self._chunk
+        if not tracked.eligible or limit <= num_computed_tokens:
+            return 0, False
+        tracked.asked_computed = num_computed_tokens
+        if tracked.answer is None:
+            hit = self._await_lookup(tracked, limit)
+            if hit is None:
+                return None, False
+            tracked.answer = hit
+            tracked.cached = max(tracked.cached, hit)
+        return max(0, min(tracked.answer, limit) - num_computed_tokens), False
+
+    def _await_lookup(self, tracked: _Tracked, limit: int) -> int | None:
+        if tracked.future is None:
+            try:
+                if self._lookup is None:
+                    self._lookup = self._make_lookup()
+                tokens = np.asarray(tracked.request.all_token_ids[:limit], dtype=np.int64)
+                tracked.future = self._lookup(tokens, tracked.salt)
+            except Exception:
+                logger.exception("kvtiers: starting a lookup failed; served as a miss")
+                self._count("lookup_errors")
+                return 0
+            tracked.asked_at = self._clock()
+            self._count("lookups")
+            self._count("lookup_tokens", limit)
+        future = tracked.future
+        try:
+            hit = future.result(timeout=self._settings.lookup_wait_ms / 1000)
+        except concurrent.futures.TimeoutError:
+            if self._clock() - tracked.asked_at < self._settings.lookup_deadline_s:
+                self._count("lookup_retries")
+                return None
+            future.cancel()
+            logger.warning(
+                "kvtiers: a lookup took over %ss; served as a miss",
+                self._settings.lookup_deadline_s,
+            )
+            self._count("lookup_timeouts")
+            hit = 0
+        except Exception as exc:
+            logger.warning("kvtiers: a lookup failed (%s); served as a miss", exc)
+            self._count("lookup_errors")
+            hit = 0
+        tracked.future = None
+        self._count("lookup_hit_tokens", hit)
+        return hit
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Plan the load of the `num_external_tokens` tokens vLLM accepted."""
+        tracked = self._track(request)
+        answer, tracked.answer = tracked.answer, None
+        if num_external_tokens <= 0 or answer is None:
+            return
+        start = tracked.asked_computed
+        end = start + num_external_tokens
+        # NOTE: the hit is whole chunks and chunks are whole blocks, so rounding `end` up
+        # to a block stays inside the loaded prefix.
+        end_block = -(-end // self._block)
+        spec = LoadSpec(
+            req_id=request.request_id,
+            tokens=tokens_to_bytes(request.all_token_ids[:answer]),
+            salt=tracked.salt,
+            block_ids=tuple(block_ids[start // self._block : end_block]),
+            start=start,
+            end=end_block * self._block,
+        )
+        self._plan.loads.append(spec)
+        self._count("planned_load_tokens", spec.end - spec.start)
+
+    # -- steps -------------------------------------------------------------------------
+
+    def build_plan(
+        self,
+        num_scheduled_tokens: dict[str, int],
+        block_ids_of: Callable[[str], Sequence[int] | None],
+    ) -> StepPlan:
+        """Return this step's plan and start a new one.
+
+        A request's prompt is saved in the step that computes its last full chunk: its KV
+        is gathered layer by layer during that forward pass and stored in the background.
+
+        Args:
+            num_scheduled_tokens: tokens scheduled this step per request id.
+            block_ids_of: the block ids of a scheduled request (its first KV-cache group).
+        """
+        plan, self._plan = self._plan, StepPlan()
+        for req_id, num_new in num_scheduled_tokens.items():
+            tracked = self._reqs.get(req_id)
+            if tracked is None or not tracked.eligible:
+                continue
+            request = tracked.request
+            target = request.num_prompt_tokens // self._chunk * self._chunk
+            done_after = request.num_computed_tokens + num_new
+            if target == 0 or tracked.cached >= target or done_after < target:
+                continue
+            block_ids = block_ids_of(req_id)
+            if block_ids is None or len(block_ids) * self._block < target:
+                continue
+            plan.saves.append(
+                SaveSpec(
+                    req_id=req_id,
+                    tokens=tokens_to_bytes(request.all_token_ids[:target]),
+                    salt=tracked.salt,
+                    block_ids=tuple(block_ids[: target // self._block]),
+                )
+            )
+            tracked.cached = target
+            self._count("planned_save_tokens", target)
+        return plan
+
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+        """Forget `request`; return whether its blocks must wait for a save.
+
+        With `store_generated`, the full chunks of prompt and output that are not stored
+        yet are saved in the next step; vLLM keeps the blocks until the workers report the
+        save done (`get_finished`).
+        """
+        tracked = self._reqs.pop(request.request_id, None)
+        if tracked is not None and tracked.future is not None:
+            tracked.future.cancel()
+        if not self._settings.store_generated or tracked is None or not tracked.eligible:
+            return False
+        target = request.num_computed_tokens // self._chunk * self._chunk
+        target = min(target, len(block_ids) * self._block // self._chunk * self._chunk)
+        if target <= tracked.cached:
+            return False
+        self._plan.saves.append(
+            SaveSpec(
+                req_id=request.request_id,
+                tokens=tokens_to_bytes(request.all_token_ids[:target]),
+                salt=tracked.salt,
+                block_ids=tuple(block_ids[: target // self._block]),
+                finished=True,
+            )
+        )
+        self._count("planned_save_tokens", target)
+        return True
+
+    # -- stats -------------------------------------------------------------------------
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    def take_counts(self) -> dict[str, int]:
+        """Return the counters since the last call and reset them."""
+        with self._lock:
+            counts = {k: v for k, v in self._counts.items() if v}
+            for name in self._counts:
+                self._counts[name] = 0
+        return counts

@@ -1,0 +1,287 @@
+"""The worker side of the vLLM connector: layer-wise loads and saves against vLLM's KV.
+
+Loads: `start_load` submits one `TieredCache.load` per request to the cache's loop; the
+first `wait_for_layer` of the step waits for them, then each layer's blocks are written as
+its attention layer asks. Saves: each layer's blocks are gathered into a private staging
+tensor as the forward pass leaves the layer; `finish_step` hands the staged KV to
+`TieredCache.store` in the background, so neither vLLM's blocks nor its forward pass wait
+for a tier. Every failure is logged, counted, and becomes a miss (loads: the blocks are
+reported to vLLM, which recomputes them).
+
+vLLM objects are not imported here; the connector passes tensors and plans.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtiers._tensors import torch_dtype
+from kvtiers.core.layout import KVLayout
+from kvtiers.integrations._vllm_kv import PagedLayout
+from kvtiers.integrations._vllm_plan import (
+    ConnectorSettings,
+    LoadSpec,
+    SaveSpec,
+    StepPlan,
+    tokens_of,
+)
+from kvtiers.integrations._vllm_runtime import SharedCache
+
+__all__ = ["WorkerSide", "layer_order"]
+
+logger = logging.getLogger("kvtiers.vllm")
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_order(names: list[str]) -> list[str]:
+    """Return layer names in model order (by the `layers.<i>.` index, else as given)."""
+    indexed = [(m.group(1) if (m := _LAYER_INDEX.search(n)) else None, n) for n in names]
+    if all(i is not None for i, _ in indexed):
+        return [n for _, n in sorted(indexed, key=lambda p: int(p[0] or 0))]
+    return list(names)
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    spec: LoadSpec
+    staging: torch.Tensor
+    block_ids: torch.Tensor
+    future: concurrent.futures.Future[torch.Tensor]
+    upto: int = -1
+    """Tokens usable after the load finished (-1 while unknown)."""
+    layers_done: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True, eq=False)
+class _Save:
+    spec: SaveSpec
+    staging: torch.Tensor
+    block_ids: torch.Tensor
+    layers_done: set[int] = field(default_factory=set)
+
+
+class WorkerSide:
+    """Move KV between vLLM's paged layers and one shared `TieredCache`.
+
+    Args:
+        settings: the connector settings.
+        entry: the shared cache and its loop.
+        layers: vLLM's KV tensors by layer name, as `register_kv_caches` gave them.
+        paged: their layout.
+        layout: the kvtiers layout (this rank's shard).
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        entry: SharedCache,
+        layers: dict[str, torch.Tensor],
+        paged: PagedLayout,
+        layout: KVLayout,
+    ) -> None:
+        self._settings = settings
+        self._entry = entry
+        self._names = layer_order(list(layers))
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._layers = layers
+        self._paged = paged
+        self.layout = layout
+        self._device = next(iter(layers.values())).device
+        self._loads: list[_Load] = []
+        self._saves: list[_Save] = []
+        self._failed: set[int] = set()
+        self._finished: set[str] = set()
+        self._pending: set[concurrent.futures.Future[int]] = set()
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+        self._tier_hits = [0] * len(entry.cache.tiers)
+
+    # -- loads -------------------------------------------------------------------------
+
+    def start_load(self, plan: StepPlan) -> None:
+        """Start loading every request of the plan (returns at once)."""
+        cache, loop = self._entry.cache, self._entry.loop
+        for spec in plan.loads:
+            tokens = tokens_of(spec.tokens)
+            staging = torch.empty(self.layout.kv_shape(len(tokens)), dtype=torch_dtype(self.layout))
+            ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
+            try:
+                future = loop.submit(cache.load(tokens, salt=spec.salt, out=staging))
+            except Exception:  # the loop is gone: every block of the request fails
+                logger.exception("kvtiers: starting a load failed")
+                future = concurrent.futures.Future()
+                future.set_exception(RuntimeError("kvtiers loop unavailable"))
+            self._loads.append(_Load(spec, staging, ids, future))
+
+    def _resolve_loads(self) -> None:
+        deadline = time.monotonic() + self._settings.load_timeout_s
+        block = self._paged.block_size
+        for job in self._loads:
+            if job.upto >= 0:
+                continue
+            spec = job.spec
+            started = time.monotonic()
+            try:
+                loaded = job.future.result(timeout=max(0.0, deadline - time.monotonic())).shape[2]
+            except Exception as exc:
+                job.future.cancel()
+                logger.warning("kvtiers: a load failed (%s); vLLM recomputes", exc)
+                self._count("load_errors")
+                loaded = 0
+            self._count("load_wait_seconds", time.monotonic() - started)
+            job.upto = min(spec.end, loaded // block * block)
+            if job.upto < spec.end:
+                first_bad = max(0, (job.upto - spec.start) // block)
+                self._failed.update(spec.block_ids[first_bad:])
+                self._count("load_failed_tokens", spec.end - max(job.upto, spec.start))
+            self._count("loaded_tokens", max(0, job.upto - spec.start))
+
+    def wait_for_layer(self, name: str) -> None:
+        """Write layer `name` of every load of this step into vLLM's blocks."""
+        if not self._loads:
+            return
+        self._resolve_loads()
+        i = self._index.get(name)
+        if i is None:
+            return
+        for job in self._loads:
+            if i in job.layers_done:
+                continue
+            job.layers_done.add(i)
+            count = (job.upto - job.spec.start) // self._paged.block_size
+            if count <= 0:
+                continue
+            src = job.staging[i, :, job.spec.start : job.upto]
+            self._paged.scatter(self._layers[name], job.block_ids[:count], src)
+
+    def take_failed_blocks(self) -> set[int]:
+        """Return the blocks whose load failed since the last call."""
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # -- saves -------------------------------------------------------------------------
+
+    def begin_saves(self, plan: StepPlan) -> None:
+        """Prepare the staging tensors of the plan's saves."""
+        for spec in plan.saves:
+            num_tokens = len(spec.tokens) // 8
+            staging = torch.empty(
+                self.layout.kv_shape(num_tokens),
+                dtype=torch_dtype(self.layout),
+                pin_memory=self._device.type == "cuda",
+            )
+            ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
+            self._saves.append(_Save(spec, staging, ids))
+
+    def save_layer(self, name: str, layer: torch.Tensor) -> None:
+        """Gather layer `name` of every save of this step into its staging tensor."""
+        i = self._index.get(name)
+        if i is None:
+            return
+        for job in self._saves:
+            if i not in job.layers_done:
+                self._paged.gather(layer, job.block_ids, job.staging[i])
+                job.layers_done.add(i)
+
+    def finish_step(self) -> None:
+        """Hand this step's staged saves to the cache in the background; end the step.
+
+        Layers the forward pass did not visit (an empty step) are gathered here; vLLM's
+        blocks are no longer needed when this returns.
+        """
+        for job in self._loads:
+            missing = set(range(len(self._names))) - job.layers_done
+            if missing and job.upto != 0:
+                # NOTE: the forward pass skipped a layer hook, so those layers hold no loaded
+                # KV; report the blocks so vLLM recomputes rather than reads garbage.
+                logger.warning("kvtiers: %d layers were never loaded; recomputing", len(missing))
+                self._failed.update(job.spec.block_ids)
+        self._loads = []
+        saves, self._saves = self._saves, []
+        for save in saves:
+            try:
+                for i in set(range(len(self._names))) - save.layers_done:
+                    layer = self._layers[self._names[i]]
+                    self._paged.gather(layer, save.block_ids, save.staging[i])
+                if self._device.type == "cuda":
+                    torch.cuda.current_stream(self._device).synchronize()
+                self._submit_store(save)
+            except Exception:
+                logger.exception("kvtiers: a save failed; the KV is not stored")
+                self._count("save_errors")
+            if save.spec.finished:
+                self._finished.add(save.spec.req_id)
+
+    def _submit_store(self, job: _Save) -> None:
+        with self._lock:
+            if len(self._pending) >= self._settings.max_pending_saves:
+                self._counts["saves_skipped"] = self._counts.get("saves_skipped", 0) + 1
+                return
+        tokens = tokens_of(job.spec.tokens)
+        future = self._entry.loop.submit(
+            self._entry.cache.store(tokens, job.staging, salt=job.spec.salt)
+        )
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._store_done)
+
+    def _store_done(self, future: concurrent.futures.Future[int]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        if future.cancelled():
+            self._count("save_errors")
+            return
+        exc = future.exception()
+        if exc is not None:
+            logger.warning("kvtiers: storing KV failed (%s); not cached", exc)
+            self._count("save_errors")
+            return
+        stored = future.result()
+        self._count("saved_tokens", stored)
+        self._count("saved_bytes", stored * self.layout.bytes_per_token)
+
+    def take_finished(self) -> set[str]:
+        """Return the finished requests whose final save no longer needs their blocks."""
+        finished, self._finished = self._finished, set()
+        return finished
+
+    # -- lifecycle and stats -----------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for saves in flight and the cache's write queues; return whether all ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            pending = list(self._pending)
+        done, not_done = concurrent.futures.wait(pending, timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            self._entry.loop.run(self._entry.cache.flush(), left)
+        except Exception as exc:
+            logger.warning("kvtiers: flushing the write queues failed: %s", exc)
+            return False
+        return not not_done
+
+    def _count(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
+
+    def take_counts(self) -> dict[str, float]:
+        """Return the counters and per-tier hits since the last call, then reset them."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        for i, tier in enumerate(self._entry.cache.tiers):
+            hits = tier.counters.hits
+            if hits > self._tier_hits[i]:
+                counts[f"hits_{tier.name}"] = hits - self._tier_hits[i]
+            self._tier_hits[i] = hits
+        if counts.get("loaded_tokens"):
+            counts["loaded_bytes"] = counts["loaded_tokens"] * self.layout.bytes_per_token
+        return counts

@@ -1,0 +1,392 @@
+"""A vLLM KV connector that pools vLLM's KV cache through kvtiers.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVTiersConnector", "kv_role": "kv_both",
+      "kv_connector_module_path": "kvtiers.integrations.vllm",
+      "kv_connector_extra_config": {"config": "/etc/kvtiers/tiers.toml"}}'
+
+The layout (layers, KV heads, head size, dtype, TP rank and size, model name and revision)
+comes from vLLM; the tiers from the kvtiers config. See docs/vllm.md.
+
+This module imports vLLM; `import kvtiers` never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtiers.cache import TieredCache
+from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import CacheStats
+from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
+from kvtiers.integrations._vllm_kv import detect_layout
+from kvtiers.integrations._vllm_plan import (
+    ConnectorSettings,
+    StepPlan,
+    chunk_size_for,
+    config_identity,
+)
+from kvtiers.integrations._vllm_runtime import CACHES, LoopThread, SharedCache
+from kvtiers.integrations._vllm_scheduler import Lookup, SchedulerSide
+from kvtiers.integrations._vllm_worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["KVTiersConnector", "KVTiersConnectorMetadata", "KVTiersConnectorStats"]
+
+logger = logging.getLogger("kvtiers.vllm")
+
+
+@dataclass
+class KVTiersConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, sent from the scheduler-side connector to every worker."""
+
+    plan: StepPlan
+
+
+class KVTiersConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """kvtiers' counters for one interval: sums over workers and the scheduler.
+
+    Keys: `lookups`, `lookup_hit_tokens`, `loaded_tokens`, `loaded_bytes`,
+    `load_wait_seconds`, `load_errors`, `load_failed_tokens`, `saved_tokens`,
+    `saved_bytes`, `save_errors`, `saves_skipped`, `hits_<tier>` (chunks per tier), ...
+    """
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVTiersConnectorStats:
+        merged = dict(self.data)
+        for key, value in (other.data or {}).items():
+            merged[key] = merged.get(key, 0) + value
+        return KVTiersConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """Serve vLLM's prefix KV from kvtiers tiers, and store what vLLM computes.
+
+    The scheduler-side instance answers how many prompt tokens kvtiers holds and plans
+    each step's loads and saves; the worker-side instance (one per TP rank) owns the
+    `TieredCache` and moves KV layer by layer. A tier failure is a miss: logged, counted,
+    and recomputed by vLLM.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._settings = ConnectorSettings.from_extra(extra)
+        _check_supported(vllm_config, kv_cache_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._chunk_size = chunk_size_for(self._block_size, self._settings.chunk_size)
+        parallel = vllm_config.parallel_config
+        self._tp_size = int(parallel.tensor_parallel_size)
+        self._dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        self._socket_dir = self._settings.socket_dir or tempfile.gettempdir()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._parts: dict[str, Any] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self._settings, self._block_size, self._chunk_size, self._make_lookup
+            )
+            if self._settings.on_load_error == "recompute":
+                # NOTE: vLLM reads this right after building the scheduler-side connector;
+                # kvtiers is a cache, so a failed load is recomputed, never an error.
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self._finalizer = weakref.finalize(self, _shut_down, self._parts)
+
+    # ==== scheduler side =============================================================
+
+    def _make_lookup(self) -> Lookup:
+        """Find where lookups go: the worker's cache in this process, or the channel."""
+        entry = CACHES.find(self._engine_id, 0) if self._tp_size == 1 else None
+        if entry is not None:
+            found = entry
+
+            def direct(tokens: Any, salt: Any) -> Any:
+                return found.loop.submit(found.cache.lookup(tokens, salt=salt))
+
+            logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
+            return direct
+        loop = LoopThread(name="kvtiers-lookup")
+        paths = [
+            socket_path(self._socket_dir, self._engine_id, self._dp_rank, rank)
+            for rank in range(self._tp_size)
+        ]
+        client = LookupClient(paths)
+        self._parts["client"] = (loop, client)
+        logger.info("kvtiers: scheduler looks up through the workers' sockets %s", paths)
+
+        def remote(tokens: Any, salt: Any) -> Any:
+            return loop.submit(client.lookup(tokens, salt))
+
+        return remote
+
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            logger.exception("kvtiers: lookup failed; served as a miss")
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTiersConnectorMetadata:
+        assert self._scheduler is not None
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        manager = self._kv_cache_manager
+
+        def block_ids_of(req_id: str) -> list[int] | None:
+            groups = state.get_block_ids(req_id) if state is not None else None
+            if groups is None and manager is not None:
+                groups = manager.get_block_ids(req_id)
+            return list(groups[0]) if groups else None
+
+        plan = self._scheduler.build_plan(scheduler_output.num_scheduled_tokens, block_ids_of)
+        return KVTiersConnectorMetadata(plan=plan)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.request_finished(request, block_ids), None
+        except Exception:
+            logger.exception("kvtiers: request_finished failed; nothing stored")
+            return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, None]:
+        return self.request_finished(request, block_ids[0])
+
+    # ==== worker side ================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None or not kv_caches:
+            return
+        try:
+            self._worker = self._start_worker(kv_caches)
+        except Exception:
+            logger.exception("kvtiers: the cache could not be opened; the connector is off")
+
+    def _start_worker(self, kv_caches: dict[str, torch.Tensor]) -> WorkerSide:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        config = self._vllm_config
+        model = config.model_config
+        tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
+        first = next(iter(kv_caches.values()))
+        paged = detect_layout(
+            first,
+            block_size=self._block_size,
+            num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+            head_size=model.get_head_size(),
+        )
+        layout = KVLayout(
+            model=self._settings.model_name or str(model.model),
+            model_revision=str(model.revision or ""),
+            num_layers=len(kv_caches),
+            num_kv_heads=paged.num_kv_heads,
+            head_size=paged.head_size,
+            dtype=str(first.dtype).removeprefix("torch."),
+            chunk_size=self._chunk_size,
+            tp_rank=tp_rank,
+            tp_size=self._tp_size,
+        )
+        source = self._settings.tiers_source()
+        entry = CACHES.acquire(
+            (config_identity(source), layout),
+            lambda: TieredCache.from_config(source, layout=layout),
+        )
+        self._parts["entry"] = entry
+        CACHES.publish(self._engine_id, tp_rank, entry)
+        path = socket_path(self._socket_dir, self._engine_id, self._dp_rank, tp_rank)
+        server = LookupServer(path, lambda tokens, salt: entry.cache.lookup(tokens, salt=salt))
+        entry.loop.run(server.start(), 30)
+        entry.extras[path] = server
+        self._parts["server"] = server
+        logger.info(
+            "kvtiers: worker rank %d serves %s (%s layout, chunk %d tokens, lookups on %s)",
+            tp_rank,
+            layout.model,
+            paged.kind,
+            layout.chunk_size,
+            path,
+        )
+        worker = WorkerSide(self._settings, entry, kv_caches, paged, layout)
+        self._parts["worker"] = worker
+        return worker
+
+    def _plan(self) -> StepPlan | None:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, KVTiersConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if self._worker is None or plan is None:
+            if plan is not None and plan.loads:  # no cache: every planned block fails
+                self._parts.setdefault("failed", set()).update(
+                    b for spec in plan.loads for b in spec.block_ids
+                )
+            return
+        self._worker.start_load(plan)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        plan = self._plan()
+        if self._worker is not None and plan is not None and plan.saves:
+            # NOTE: staging is prepared here, before the forward pass, because vLLM calls
+            # start_load_kv after the forward pass when the step has no synchronous load.
+            self._worker.begin_saves(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if self._worker is not None:
+            self._worker.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if self._worker is not None and plan is not None:
+            self._worker.finish_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        if self._worker is None:
+            plan = self._plan()
+            done = {s.req_id for s in plan.saves if s.finished} if plan is not None else set()
+            return done or None, None
+        return self._worker.take_finished() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed: set[int] = self._parts.pop("failed", set())
+        if self._worker is not None:
+            failed |= self._worker.take_failed_blocks()
+        return failed
+
+    # ==== both sides =================================================================
+
+    def get_kv_connector_stats(self) -> KVTiersConnectorStats | None:
+        counts: dict[str, Any] = {}
+        if self._scheduler is not None:
+            counts.update(self._scheduler.take_counts())
+        if self._worker is not None:
+            counts.update(self._worker.take_counts())
+        return KVTiersConnectorStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTiersConnectorStats:
+        return KVTiersConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # layer-wise loads and saves run between graph pieces
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never lost data
+
+    @property
+    def layout(self) -> KVLayout | None:
+        """The kvtiers layout of this worker's shard (`None` on the scheduler side)."""
+        return self._worker.layout if self._worker is not None else None
+
+    def stats(self) -> CacheStats | None:
+        """Return kvtiers' own stats of the worker-side cache (`None` elsewhere)."""
+        return self._worker_entry_stats()
+
+    def _worker_entry_stats(self) -> CacheStats | None:
+        entry: SharedCache | None = self._parts.get("entry")
+        return None if entry is None else entry.cache.stats()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save so far is in every write-through tier (worker side)."""
+        return self._worker.flush(timeout) if self._worker is not None else True
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.flush(self._settings.close_timeout_s)
+        self._finalizer()
+
+
+def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise ValueError(
+            "KVTiersConnector handles models with one KV-cache group; this model has "
+            f"{len(groups)} (hybrid attention). Pass --disable-hybrid-kv-cache-manager."
+        )
+    spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
+    if spec is not None and not isinstance(spec, FullAttentionSpec):
+        # NOTE: vLLM frees blocks that slide out of a window, so a saved prefix would hold
+        # garbage; with the hybrid manager off, vLLM keeps every token's KV.
+        raise ValueError(
+            f"KVTiersConnector needs full-attention KV, not {type(spec).__name__}; pass "
+            "--disable-hybrid-kv-cache-manager"
+        )
+    if int(vllm_config.parallel_config.pipeline_parallel_size) > 1:
+        raise ValueError("KVTiersConnector does not support pipeline parallelism yet")
+    if vllm_config.model_config.use_mla:
+        raise ValueError("KVTiersConnector does not handle MLA models yet")
+
+
+def _shut_down(parts: dict[str, Any]) -> None:
+    """Release what a connector holds; runs once, at shutdown or when it is collected."""
+    client: tuple[LoopThread, LookupClient] | None = parts.pop("client", None)
+    if client is not None:
+        loop, lookup_client = client
+        try:
+            loop.run(lookup_client.aclose(), 10)
+        except Exception:
+            logger.exception("kvtiers: closing the lookup channel failed")
+        loop.stop()
+    parts.pop("worker", None)
+    entry: SharedCache | None = parts.pop("entry", None)
+    server: LookupServer | None = parts.pop("server", None)
+    if entry is not None:
+        if server is not None and entry.extras.pop(server.path, None) is not None:
+            try:
+                entry.loop.run(server.aclose(), 10)
+            except Exception:
+                logger.exception("kvtiers: closing the lookup server failed")
+        CACHES.release(entry)

@@ -1,0 +1,108 @@
+"""Build a tiny random-weight Llama and a byte-level BPE tokenizer, offline, into a folder.
+
+Run with the vLLM virtualenv's python: `python build_tiny_llama.py OUT_DIR [--layers N
+--hidden H]` (2 layers of 256 by default; benchmarks ask for bigger ones). Deterministic:
+the same seed gives the same weights, so greedy outputs agree across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+VOCAB_SIZE = 512
+WORDS = (
+    "the",
+    "a",
+    "cache",
+    "layer",
+    "token",
+    "model",
+    "prefix",
+    "chunk",
+    "tier",
+    "disk",
+    "memory",
+    "block",
+    "engine",
+    "request",
+    "prompt",
+    "shared",
+    "system",
+    "answer",
+    "question",
+    "user",
+    "reads",
+    "writes",
+    "loads",
+    "stores",
+    "quickly",
+    "slowly",
+    "every",
+    "many",
+    "few",
+    "one",
+    "two",
+    "three",
+    "red",
+    "green",
+    "blue",
+    "small",
+    "large",
+    "fast",
+    "quiet",
+    "loud",
+)
+
+
+def _sentences(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) for _ in range(count)]
+
+
+def build(out: Path, layers: int = 2, hidden: int = 256) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_sentences(3000, seed=1), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(out)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 128),
+        head_dim=64,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    args = parser.parse_args()
+    build(args.out, args.layers, args.hidden)

