@@ -18,7 +18,15 @@ import traceback
 
 from benchmarks._common import Result, machine_info, print_machine, print_report, write_json
 
-BENCHMARKS = ("bench_keys", "bench_lookup", "bench_dram", "bench_lmdb", "bench_overhead")
+BENCHMARKS = (
+    "bench_keys",
+    "bench_lookup",
+    "bench_dram",
+    "bench_lmdb",
+    "bench_remote",
+    "bench_overhead",
+    "bench_policies",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

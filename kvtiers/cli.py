@@ -1,7 +1,8 @@
-"""Run the `kvtiers` command: `demo`, `explain` and `--version`.
+"""Run the `kvtiers` command: `demo`, `explain`, `remote` and `--version`.
 
 `demo` replays a synthetic chat through DRAM and LMDB tiers; `explain` shows what a
-config's tiers hold and need without opening them.
+config's tiers hold and need without opening them; `remote ls` and `remote purge` list and
+delete the objects of a config's remote tiers.
 
 Exit status: 0 on success; 1 when the demo finds wrong KV or a tier fails; 2 for bad
 arguments or a bad config (the message names the field).
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from kvtiers import __version__
+from kvtiers._cli_replay import add_replay_commands
 from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, TierConfig, format_size, load_config
 from kvtiers.core.errors import ConfigError, KVTiersError
@@ -102,6 +106,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("config", metavar="CONFIG", help="a .toml, .yaml or .yml file")
     explain.set_defaults(run=_run_explain)
+    _add_remote_parser(commands)
+    add_replay_commands(commands)
     return parser
 
 
@@ -337,3 +343,114 @@ def _by_filesystem(tiers: Sequence[TierConfig]) -> dict[Path, list[TierConfig]]:
         anchor = _existing_parent(tc.options["path"])
         groups.setdefault(anchor.stat().st_dev, (anchor, []))[1].append(tc)
     return dict(groups.values())
+
+
+# -- remote ----------------------------------------------------------------------------
+
+_AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_AGE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+
+
+def _add_remote_parser(commands: Any) -> None:
+    remote = commands.add_parser(
+        "remote", help="list or purge the objects of a config's remote tiers"
+    )
+    actions = remote.add_subparsers(dest="remote_command", metavar="ACTION", required=True)
+    ls = actions.add_parser("ls", help="list the pool: objects per layout, bytes, last access")
+    ls.add_argument("config", metavar="CONFIG", help="a .toml, .yaml or .yml file")
+    ls.add_argument("--tier", metavar="NAME", help="only this remote tier (default: all)")
+    ls.add_argument("--keys", action="store_true", help="also list every object of the layout")
+    ls.set_defaults(run=_run_remote_ls)
+    purge = actions.add_parser("purge", help="delete the config layout's objects")
+    purge.add_argument("config", metavar="CONFIG", help="a .toml, .yaml or .yml file")
+    purge.add_argument("--tier", metavar="NAME", help="only this remote tier (default: all)")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--all", action="store_true", help="every object of the layout")
+    which.add_argument(
+        "--older-than",
+        type=_age,
+        metavar="AGE",
+        help="objects not read or written for AGE (e.g. 3600, 90m, 12h, 7d)",
+    )
+    purge.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    purge.set_defaults(run=_run_remote_purge)
+
+
+def _age(text: str) -> float:
+    match = _AGE_RE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected an age such as 3600, 90m, 12h or 7d, got {text!r}"
+        )
+    return float(match.group(1)) * _AGE_UNITS[match.group(2)]
+
+
+def _remote_tiers(config: CacheConfig, name: str | None) -> list[TierConfig]:
+    tiers = [tc for tc in config.tiers if tc.kind == "remote" and name in (None, tc.name)]
+    if not tiers:
+        which = f"named {name!r}" if name is not None else "of kind 'remote'"
+        raise ConfigError(f"tiers: no tier {which} in the config")
+    return tiers
+
+
+def _run_remote_ls(args: argparse.Namespace) -> int:
+    from kvtiers.tiers._remote_admin import list_pool
+
+    config = load_config(args.config)
+    for tc in _remote_tiers(config, args.tier):
+        namespaces = asyncio.run(list_pool(tc, config.layout))
+        print("\n".join(_pool_lines(tc, namespaces, keys=args.keys)))
+    return 0
+
+
+def _pool_lines(tc: TierConfig, namespaces: Sequence[Any], *, keys: bool) -> list[str]:
+    from kvtiers.tiers._remote_admin import is_fingerprint
+    from kvtiers.tiers._remote_options import display_url
+
+    lines = [f"{tc.where}      {tc.name} (kind remote) at {display_url(tc.options['url'])}"]
+    if not namespaces:
+        lines.append("  empty")
+    for ns in namespaces:
+        objects, listing = ns.objects, ns.listing
+        used = sum(o.size for o in objects)
+        what = "this layout" if ns.current else "layout" if is_fingerprint(ns.fingerprint) else "?"
+        line = f"  {ns.fingerprint}  {what}: {len(objects):,} objects, {format_size(used)}"
+        if ns.current:
+            line += f" of {format_size(tc.capacity_bytes)}"
+        if objects:
+            line += (
+                f"; last access {_when(objects[0].last_access)} .. {_when(objects[-1].last_access)}"
+            )
+        extras = [
+            f"{len(listing.access_logs)} access logs" if listing.access_logs else "",
+            f"{len(listing.temps)} temporaries" if listing.temps else "",
+            f"{len(listing.others)} other files" if listing.others else "",
+        ]
+        lines.append(line + "".join(f"; {e}" for e in extras if e))
+        if keys and ns.current:
+            lines += [f"    {o.key.hex()}  {o.size:>12,}  {_when(o.last_access)}" for o in objects]
+    return lines
+
+
+def _when(timestamp: float) -> str:
+    when = datetime.datetime.fromtimestamp(timestamp, tz=datetime.UTC)
+    return when.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _run_remote_purge(args: argparse.Namespace) -> int:
+    from kvtiers.tiers._remote_admin import purge_namespace
+
+    config = load_config(args.config)
+    if config.layout is None:
+        raise ConfigError("layout: required to purge: the layout names the namespace")
+    for tc in _remote_tiers(config, args.tier):
+        result = asyncio.run(
+            purge_namespace(tc, config.layout, older_than=args.older_than, dry_run=args.dry_run)
+        )
+        verb = "would delete" if args.dry_run else "deleted"
+        print(
+            f"{tc.where} {tc.name}: {verb} {result.num_objects:,} objects "
+            f"({format_size(result.num_bytes)}) and {result.num_other_files:,} other files; "
+            f"{result.num_kept:,} objects kept"
+        )
+    return 0

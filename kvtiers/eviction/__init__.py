@@ -1,14 +1,22 @@
-"""Eviction policies: `LRUPolicy`, `ARCPolicy`, and a registry by config name."""
+"""Eviction policies: `LRUPolicy`, `ARCPolicy`, `TwoQPolicy`, and a registry by config name."""
 
 from __future__ import annotations
 
 from kvtiers.eviction.arc import ARCPolicy
 from kvtiers.eviction.base import EvictionPolicy
 from kvtiers.eviction.lru import LRUPolicy
+from kvtiers.eviction.twoq import TwoQPolicy
 
-__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "available_policies", "make_policy"]
+__all__ = [
+    "ARCPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "TwoQPolicy",
+    "available_policies",
+    "make_policy",
+]
 
-_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy, "2q": TwoQPolicy}
 
 
 def available_policies() -> list[str]:

@@ -3,24 +3,27 @@
 The environment holds four named databases (see `Databases`); `Writer` keeps them consistent
 within one write transaction: sizes in `meta`, recency in `lru` and `seqs`.
 
-A value is `u16 header length (little-endian) ‖ header ‖ payload`, where the header is the
-msgpack array `[magic, format version, layout fingerprint, key, payload length, checksum]`
-and the checksum is the 8-byte big-endian xxh3_64 digest of the payload. The length prefix
-lets a reader split header and payload without msgpack's streaming API, and because every
-field but the payload length has a fixed size, all values of one layout have the same size.
+A value is a chunk in the format of `kvtiers.tiers._chunk_format` (shared with the remote
+tier), written with six header fields (no per-layer checksums).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import lmdb
-import msgpack
-import xxhash
+
+from kvtiers.tiers._chunk_format import (
+    FORMAT_VERSION,
+    MAGIC,
+    Verdict,
+    check_value,
+    pack_value,
+    value_bytes,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -36,49 +39,9 @@ __all__ = [
     "value_bytes",
 ]
 
-_Bytes = bytes | bytearray | memoryview
-
-MAGIC = b"KVT1"
-"""First header field of every value this format writes."""
-FORMAT_VERSION = 1
-"""Bump when the header changes; entries of another version are then foreign (a miss)."""
-
-_PREFIX = struct.Struct("<H")
 _U64 = struct.Struct(">Q")  # big-endian, so the lru database iterates in sequence order
 _USED, _NEXT_SEQ = b"used_bytes", b"next_seq"
-_NUM_FIELDS = 6
 _PAGE = 4096  # LMDB's page size on the common platforms
-
-
-class Verdict(enum.Enum):
-    """What a stored value turned out to be for the key it was read under."""
-
-    OK = 1  # ours and intact: the payload may be used
-    CORRUPT = 2  # unreadable header, wrong length or checksum
-    FOREIGN = 3  # intact, but of another layout, key or format version
-
-
-def _header(fingerprint: bytes, key: bytes, payload_len: int, checksum: bytes) -> bytes:
-    header: bytes = msgpack.packb(
-        [MAGIC, FORMAT_VERSION, fingerprint, key, payload_len, checksum], use_bin_type=True
-    )
-    return _PREFIX.pack(len(header)) + header
-
-
-def pack_value(fingerprint: bytes, key: bytes, payload: _Bytes) -> bytes:
-    """Return the stored value of `payload` under `key`.
-
-    Args:
-        fingerprint: the layout fingerprint the payload belongs to.
-        key: the chunk key it is stored under.
-        payload: the chunk's bytes, C-contiguous.
-
-    Returns:
-        The header-prefixed value, built with one copy of the payload.
-    """
-    view = memoryview(payload).cast("B")
-    head = _header(fingerprint, key, view.nbytes, xxhash.xxh3_64_digest(view))
-    return b"".join((head, view))
 
 
 def default_map_size(capacity_bytes: int, value_len: int) -> int:
@@ -89,49 +52,6 @@ def default_map_size(capacity_bytes: int, value_len: int) -> int:
     per_value = math.ceil((value_len + 16) / _PAGE) * _PAGE + 256
     size = int(capacity_bytes // value_len * per_value * 1.25) + 64 * 2**20
     return -(-size // 2**20) * 2**20
-
-
-def value_bytes(fingerprint: bytes, payload_len: int) -> int:
-    """Return the size of a stored value holding `payload_len` payload bytes."""
-    return len(_header(fingerprint, bytes(16), payload_len, bytes(8))) + payload_len
-
-
-def check_value(
-    raw: _Bytes, *, fingerprint: bytes, key: bytes, payload_len: int
-) -> tuple[Verdict, memoryview | None]:
-    """Parse and verify a stored value without copying its payload.
-
-    Args:
-        raw: the stored value (a zero-copy view of the map is fine).
-        fingerprint: the layout fingerprint the reader expects.
-        key: the key the value was read under.
-        payload_len: the payload size the reader expects.
-
-    Returns:
-        The verdict, and for `Verdict.OK` a view of the payload whose checksum matched.
-    """
-    view = memoryview(raw).cast("B")
-    if view.nbytes < _PREFIX.size:
-        return Verdict.CORRUPT, None
-    (header_len,) = _PREFIX.unpack_from(view)
-    end = _PREFIX.size + header_len
-    if end > view.nbytes:
-        return Verdict.CORRUPT, None
-    try:
-        header = msgpack.unpackb(view[_PREFIX.size : end], raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException):
-        return Verdict.CORRUPT, None
-    if not isinstance(header, list) or len(header) != _NUM_FIELDS or header[0] != MAGIC:
-        return Verdict.CORRUPT, None
-    _, version, stored_fingerprint, stored_key, stored_len, checksum = header
-    if version != FORMAT_VERSION or stored_fingerprint != fingerprint or stored_key != key:
-        return Verdict.FOREIGN, None
-    payload = view[end:]
-    if stored_len != payload.nbytes or stored_len != payload_len:
-        return Verdict.CORRUPT, None
-    if xxhash.xxh3_64_digest(payload) != checksum:
-        return Verdict.CORRUPT, None
-    return Verdict.OK, payload
 
 
 class Databases(NamedTuple):

@@ -17,11 +17,16 @@ _BUILTIN: dict[str, str] = {
     "dram": "kvtiers.tiers.dram:DRAMTier",
     "hbm": "kvtiers.gpu.hbm:HBMTier",
     "lmdb": "kvtiers.tiers.lmdb:LMDBTier",
+    "remote": "kvtiers.tiers.remote:RemoteTier",
 }
 
 # Install hints shown when a kind's module cannot be imported.
 _HINTS: dict[str, str] = {
     "lmdb": "the lmdb tier needs the 'lmdb' package: pip install lmdb",
+    "remote": (
+        "the remote tier needs fsspec, plus s3fs for s3:// (pip install 'kvtiers[remote]') "
+        "or gcsfs for gs:// (pip install gcsfs)"
+    ),
 }
 
 

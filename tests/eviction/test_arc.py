@@ -211,7 +211,7 @@ def test_make_policy_builds_arc():
 
 
 def test_available_policies_lists_builtins():
-    assert available_policies() == ["arc", "lru"]
+    assert available_policies() == ["2q", "arc", "lru"]
     for name in available_policies():
         assert make_policy(name, 2).name == name
 

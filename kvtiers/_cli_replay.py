@@ -1,0 +1,273 @@
+"""The `replay` and `plan` subcommands of `kvtiers`.
+
+`replay` answers "will pooling pay off on this workload": it replays a request trace through
+the prefix index and eviction policies (index-only, no bytes stored) and reports hit rates,
+bytes read per tier, the offline optimum and, given a model, TTFT and prefill throughput.
+`plan` answers the same from the model, accelerator and tier bandwidths alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Any
+
+from kvtiers.core.config import CacheConfig, load_config
+from kvtiers.core.errors import ConfigError
+from kvtiers.costmodel import (
+    DEFAULT_MFU,
+    GPUS,
+    MODELS,
+    Compute,
+    ModelSpec,
+    Plan,
+    default_link,
+    format_plan,
+    load_model,
+    make_compute,
+    parse_tier_link,
+    plan,
+)
+from kvtiers.replay import (
+    CostSetup,
+    TierSpec,
+    Trace,
+    TraceError,
+    build_report,
+    format_report,
+    from_config,
+    parse_capacity,
+    parse_policies,
+    read_trace,
+    single_tier,
+)
+
+__all__ = ["add_replay_commands"]
+
+_DEFAULT_CAPACITIES = "5%,10%"
+_PLAN_TIERS = ("dram", "nvme", "s3")
+
+
+def add_replay_commands(commands: Any) -> None:
+    """Add the `replay` and `plan` subcommands to `kvtiers`' subparsers."""
+    replay = commands.add_parser(
+        "replay",
+        help="replay a request trace: hit rates per policy and capacity, optimum, TTFT",
+        description="Replay a Mooncake or token trace through the prefix index and eviction "
+        "policies (index-only: blocks are counted, not stored).",
+    )
+    replay.add_argument("trace", metavar="TRACE", help="a JSON-lines trace file")
+    replay.add_argument("--config", help="a tiers config (.toml/.yaml); default: one DRAM tier")
+    replay.add_argument(
+        "--policy",
+        help="comma list of policies, or 'all' (default: all; with --config, its own)",
+    )
+    replay.add_argument(
+        "--capacity",
+        help="comma list of blocks (9140), shares of the unique blocks (5%%) or sizes "
+        f"(16GiB); with --config, the top tier's (default: {_DEFAULT_CAPACITIES}, or the config's)",
+    )
+    replay.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="tokens per block (default: 512 for Mooncake traces; for token traces the "
+        "config's chunk size, else 256)",
+    )
+    replay.add_argument("--limit", type=_positive_int, metavar="N", help="replay N requests only")
+    _add_cost_arguments(replay, model_required=False)
+    replay.add_argument("--json", action="store_true", help="print one JSON object instead")
+    replay.add_argument("--plot", metavar="OUT", help="write a figure (PNG, SVG, PDF)")
+    replay.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    replay.set_defaults(run=_run_replay)
+
+    plan_parser = commands.add_parser(
+        "plan",
+        help="break-even bandwidth and prompt length per tier for a model; no trace needed",
+    )
+    _add_cost_arguments(plan_parser, model_required=True)
+    plan_parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    plan_parser.set_defaults(run=_run_plan)
+
+
+def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool) -> None:
+    parser.add_argument(
+        "--model",
+        required=model_required,
+        help=f"a preset ({', '.join(MODELS)}) or a model file (.toml/.json, or a "
+        "Hugging Face config.json)" + ("" if model_required else "; enables TTFT"),
+    )
+    parser.add_argument(
+        "--gpu", default="H100", help=f"accelerator preset: {', '.join(GPUS)} (default: H100)"
+    )
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help=f"share of peak throughput prefill reaches (default: {DEFAULT_MFU})",
+    )
+    parser.add_argument("--tflops", type=float, help="peak TFLOP/s, overriding the preset's")
+    parser.add_argument(
+        "--measured",
+        action="append",
+        default=[],
+        metavar="TOKENS:SECONDS",
+        help="a measured prefill without cache (repeatable); overrides --gpu/--tflops",
+    )
+    parser.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        metavar="NAME[:BW[:LATENCY]]",
+        help="a tier's bandwidth and latency, e.g. nvme:5GB/s:100us (repeatable)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+# -- replay ----------------------------------------------------------------------------
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    config = load_config(args.config) if args.config else None
+    model = load_model(args.model) if args.model else None
+    layout_chunk = config.layout.chunk_size if config and config.layout else None
+    try:
+        trace = read_trace(
+            args.trace,
+            block_tokens=args.block_tokens,
+            token_block_tokens=layout_chunk,
+            limit=args.limit,
+        )
+    except TraceError as exc:
+        print(f"kvtiers replay: {exc}", file=sys.stderr)
+        return 2
+    block_bytes = _block_bytes(trace, config, model)
+    cascades = _cascades(args, trace, config, block_bytes)
+    costs = _costs(args, model, cascades[0]) if model is not None else None
+    capacities = {sum(t.capacity_blocks for t in tiers) for tiers in cascades}
+    total = trace.num_requests * (len(cascades) + len(capacities))
+    with _progress(total, enabled=not args.no_progress and sys.stderr.isatty()) as tick:
+        report = build_report(trace, cascades, block_bytes=block_bytes, costs=costs, progress=tick)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_report(report))
+    if args.plot:
+        from kvtiers.replay.plot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"kvtiers replay: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _block_bytes(trace: Trace, config: CacheConfig | None, model: ModelSpec | None) -> int | None:
+    """Return bytes per trace block from the config's layout, else the model's, else None."""
+    if config is not None and config.layout is not None:
+        return config.layout.bytes_per_token * trace.block_tokens
+    if model is not None:
+        return model.bytes_per_token * trace.block_tokens
+    return None
+
+
+def _cascades(
+    args: argparse.Namespace, trace: Trace, config: CacheConfig | None, block_bytes: int | None
+) -> list[list[TierSpec]]:
+    """Return the tier cascades to replay: capacities outer, policies inner."""
+    text = args.capacity or (None if config is not None else _DEFAULT_CAPACITIES)
+    capacities: list[int | None] = [None]
+    if text is not None:
+        parsed = (
+            parse_capacity(part, unique_blocks=trace.unique_blocks, block_bytes=block_bytes)
+            for part in text.split(",")
+            if part.strip()
+        )
+        capacities = list(dict.fromkeys(parsed))
+    if config is None:
+        policies = parse_policies(args.policy or "all")
+        return [single_tier(c, p) for c in capacities if c is not None for p in policies]
+    if block_bytes is None:
+        raise ConfigError(
+            f"{args.config}: tier capacities are bytes; give the config a [layout] or pass "
+            "--model to size blocks"
+        )
+    # NOTE: without --policy, the config's own policies (one run per capacity).
+    overrides: list[str | None] = list(parse_policies(args.policy)) if args.policy else [None]
+    return [
+        from_config(config, block_bytes=block_bytes, policy=p, top_capacity=c)
+        for c in capacities
+        for p in overrides
+    ]
+
+
+def _costs(args: argparse.Namespace, model: ModelSpec, tiers: list[TierSpec]) -> CostSetup:
+    overrides = {link.name: link for link in map(parse_tier_link, args.tier)}
+    names = [t.name for t in tiers]
+    for name in overrides:
+        if name not in names:
+            raise ConfigError(f"--tier {name}: no such tier; the replay has {', '.join(names)}")
+    links = tuple(overrides.get(t.name) or default_link(t.name, t.kind) for t in tiers)
+    return CostSetup(model, _compute(args, model), links)
+
+
+def _compute(args: argparse.Namespace, model: ModelSpec) -> Compute:
+    measured = []
+    for text in args.measured:
+        tokens, _, seconds = text.partition(":")
+        try:
+            measured.append((int(tokens), float(seconds)))
+        except ValueError as exc:
+            raise ConfigError(f"--measured: expected TOKENS:SECONDS, got {text!r}") from exc
+    return make_compute(model, args.gpu, mfu=args.mfu, tflops=args.tflops, measured=measured)
+
+
+@contextmanager
+def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """Yield a callback that advances a progress bar on stderr, or `None` when disabled."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="req", desc="replay", file=sys.stderr, leave=False) as bar:
+        yield bar.update
+
+
+# -- plan ------------------------------------------------------------------------------
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    compute = _compute(args, model)
+    links = [parse_tier_link(t) for t in args.tier] or [
+        default_link(name, name) for name in _PLAN_TIERS
+    ]
+    result = plan(model, compute, links)
+    if args.json:
+        print(json.dumps(_plan_dict(result), indent=2))
+    else:
+        print(format_plan(result))
+    return 0
+
+
+def _plan_dict(result: Plan) -> dict[str, Any]:
+    out: dict[str, Any] = asdict(result)
+    out["model"]["bytes_per_token"] = result.model.bytes_per_token
+    out["compute"]["label"] = result.compute.label
+    out["prefill"] = [{"tokens": n, "seconds": s} for n, s in result.prefill]
+    for tier in out["tiers"]:
+        if tier["break_even_bandwidth"] == float("inf"):
+            tier["break_even_bandwidth"] = None  # JSON has no infinity: never breaks even
+    return out

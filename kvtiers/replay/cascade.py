@@ -1,0 +1,111 @@
+"""Build the simulated tier cascades from command-line values and configs."""
+
+from __future__ import annotations
+
+import math
+import re
+from fractions import Fraction
+
+from kvtiers.core.config import CacheConfig, parse_size
+from kvtiers.core.errors import ConfigError
+from kvtiers.eviction import available_policies
+from kvtiers.replay.simulate import TierSpec
+
+__all__ = ["from_config", "parse_capacity", "parse_policies", "single_tier"]
+
+_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_BLOCKS_RE = re.compile(r"^\s*(\d+)\s*$")
+
+
+def parse_policies(text: str) -> list[str]:
+    """Return policy names from a comma list, or every shipped policy for `"all"`.
+
+    LRU, the baseline, comes first; the rest keep their order.
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    known = available_policies()
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        names = known
+    if not names:
+        raise ConfigError("--policy: expected a comma list of policies, or 'all'")
+    for name in names:
+        if name not in known:
+            raise ConfigError(
+                f"--policy: unknown policy {name!r}; expected one of {', '.join(known)} or all"
+            )
+    unique = list(dict.fromkeys(names))
+    return sorted(unique, key=lambda n: n != "lru")
+
+
+def parse_capacity(text: str, *, unique_blocks: int, block_bytes: int | None) -> int:
+    """Return a capacity in blocks from `"9140"` (blocks), `"5%"` or `"16GiB"`.
+
+    A share is of the trace's unique blocks, rounded down. Bytes need `block_bytes`.
+
+    Raises:
+        ConfigError: malformed, below one block, or bytes without a layout.
+    """
+    where = f"--capacity {text.strip()!r}"
+    if match := _BLOCKS_RE.match(text):
+        blocks = int(match.group(1))
+    elif match := _SHARE_RE.match(text):
+        # NOTE: exact arithmetic, so 10% of 43,920 is 4,392 and not 4,391.
+        blocks = math.floor(Fraction(match.group(1)) * unique_blocks / 100)
+    else:
+        num_bytes = parse_size(text.strip(), where=where)
+        if block_bytes is None:
+            raise ConfigError(
+                f"{where}: a size in bytes needs the KV layout; pass --model or a --config "
+                "with a [layout], or give blocks (9140) or a share (5%)"
+            )
+        blocks = num_bytes // block_bytes
+    if blocks < 1:
+        raise ConfigError(f"{where}: is less than one block")
+    return blocks
+
+
+def single_tier(capacity_blocks: int, policy: str) -> list[TierSpec]:
+    """Return one DRAM tier of `capacity_blocks` evicted by `policy`."""
+    return [TierSpec("dram", capacity_blocks, policy)]
+
+
+def from_config(
+    config: CacheConfig,
+    *,
+    block_bytes: int,
+    policy: str | None = None,
+    top_capacity: int | None = None,
+) -> list[TierSpec]:
+    """Return the cascade of a cache config, each capacity in blocks of `block_bytes`.
+
+    Args:
+        config: the tiers, top first.
+        block_bytes: bytes of one trace block.
+        policy: the top tier's policy instead of its configured one.
+        top_capacity: the top tier's capacity in blocks instead of its configured one.
+
+    Raises:
+        ConfigError: a tier holds less than one block, or names an unknown policy.
+    """
+    specs: list[TierSpec] = []
+    for tc in config.tiers:
+        top = tc.index == 0
+        blocks = (
+            top_capacity if top and top_capacity is not None else tc.capacity_bytes // block_bytes
+        )
+        if blocks < 1:
+            raise ConfigError(
+                f"{tc.where}.capacity: {tc.capacity_bytes:,} B is less than one "
+                f"{block_bytes:,}-byte block"
+            )
+        name = policy if top and policy is not None else tc.eviction
+        if name not in available_policies():
+            raise ConfigError(
+                f"{tc.where}.eviction: unknown policy {name!r}; expected one of "
+                f"{', '.join(available_policies())}"
+            )
+        specs.append(TierSpec(tc.name, blocks, name, tc.kind, tc.write_policy))
+    return specs

@@ -1,0 +1,228 @@
+"""Replay a trace through the prefix index and the eviction policies, counting blocks only.
+
+The index-only mode: tiers hold no bytes, only residency in the library's own `PrefixIndex`,
+ordered by the library's own policies (`make_policy`), and evicted the way `TieredCache`
+evicts: leaves of the tier only, so no tier holds a suffix without its prefix.
+
+Each request, in file order, one at a time:
+
+1. Lookup: the leading blocks resident in some tier are hits (prefix semantics: a block
+   hits only if every earlier block of the request hit), each served by the highest tier
+   that holds it.
+2. Offer: every block of the request, from its last to its first, is offered to the top
+   tier (a resident block is touched, a missing one inserted, which also promotes lower-tier
+   hits) and to every write-through tier below. The last-to-first order makes a prefix's
+   head the most recent, the leaf-first order a trie gives.
+3. Evict, top tier first, down to each tier's capacity. A write-back tier receives what the
+   tier above evicts; a block served from it is touched.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from kvtiers.core.config import WritePolicy
+from kvtiers.core.index import PrefixIndex
+from kvtiers.core.keys import ChunkKey
+from kvtiers.eviction import EvictionPolicy, make_policy
+from kvtiers.replay.trace import Trace
+
+__all__ = ["RunResult", "TierResult", "TierSpec", "replay"]
+
+#: How many requests pass between two progress callbacks.
+PROGRESS_EVERY = 256
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One simulated tier, top (fastest) first."""
+
+    name: str
+    """Name in reports."""
+    capacity_blocks: int
+    """Blocks the tier holds when full."""
+    policy: str
+    """Eviction policy name (`make_policy`)."""
+    kind: str = "dram"
+    """Tier kind (`"hbm"`, `"dram"`, `"lmdb"`, `"remote"`): picks the default bandwidth."""
+    write_policy: WritePolicy = "write_through"
+    """How blocks reach this tier from the one above; ignored for the top tier."""
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 1:
+            raise ValueError(f"tier {self.name}: capacity must be >= 1 block")
+
+
+@dataclass(frozen=True, slots=True)
+class TierResult:
+    """What one tier did during a replay."""
+
+    spec: TierSpec
+    hits: int
+    """Blocks served from this tier (the highest tier holding them)."""
+    inserts: int
+    """Blocks written into this tier."""
+    evictions: int
+    """Blocks evicted from this tier."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The outcome of replaying one trace through one tier cascade."""
+
+    policy: str
+    """The top tier's eviction policy."""
+    tiers: tuple[TierResult, ...]
+    total_blocks: int
+    """Blocks requested, over all requests."""
+    request_hits: tuple[array[int], ...]
+    """Per tier, the blocks of each request it served (aligned with the trace's requests)."""
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Return the blocks all tiers hold together."""
+        return sum(t.spec.capacity_blocks for t in self.tiers)
+
+    @property
+    def hits(self) -> int:
+        """Return the blocks served from cache, all tiers together."""
+        return sum(t.hits for t in self.tiers)
+
+    @property
+    def hit_rate(self) -> float:
+        """Return the share of requested blocks served from cache."""
+        return self.hits / self.total_blocks if self.total_blocks else 0.0
+
+
+class _Tier:
+    """A tier's live state during a replay."""
+
+    __slots__ = ("below", "evictions", "idx", "inserts", "policy", "resident", "spec")
+
+    def __init__(self, idx: int, spec: TierSpec) -> None:
+        self.idx = idx
+        self.spec = spec
+        self.policy: EvictionPolicy = make_policy(spec.policy, spec.capacity_blocks)
+        self.resident = 0
+        self.inserts = 0
+        self.evictions = 0
+        self.below: _Tier | None = None
+
+
+def replay(
+    trace: Trace,
+    tiers: Sequence[TierSpec],
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Replay `trace` through a cascade of `tiers`, counting hits per tier.
+
+    Args:
+        trace: the requests, replayed in order.
+        tiers: the cascade, top first; at least one.
+        progress: called with the number of requests replayed since the last call.
+
+    Returns:
+        Hits, inserts and evictions per tier, and each request's hits per tier.
+
+    Raises:
+        ValueError: no tier, or a tier names an unknown policy.
+    """
+    if not tiers:
+        raise ValueError("replay needs at least one tier")
+    live = [_Tier(i, spec) for i, spec in enumerate(tiers)]
+    for upper, lower in zip(live, live[1:], strict=False):
+        if lower.spec.write_policy == "write_back":
+            upper.below = lower
+    through = [t for t in live[1:] if t.spec.write_policy == "write_through"]
+    index = PrefixIndex(len(live))
+    request_hits = tuple(array("I", bytes(4 * trace.num_requests)) for _ in live)
+    keys_of = trace.keys
+    done = 0
+    for r, ids in enumerate(trace.requests):
+        keys = [keys_of[i] for i in ids]
+        # The highest tier holding a block serves it: the lowest set bit of its mask.
+        served = [(mask & -mask).bit_length() - 1 for mask in index.match(keys).tiers]
+        for t in served:
+            request_hits[t][r] += 1
+        for tier in (live[0], *through):
+            _offer(index, tier, keys)
+        for i, t in enumerate(served):
+            if t and live[t].spec.write_policy == "write_back":
+                live[t].policy.touch(keys[i])
+        for tier in live:
+            _evict(index, tier)
+        done += 1
+        if progress is not None and done == PROGRESS_EVERY:
+            progress(done)
+            done = 0
+    if progress is not None and done:
+        progress(done)
+    results = tuple(
+        TierResult(t.spec, sum(hits), t.inserts, t.evictions)
+        for t, hits in zip(live, request_hits, strict=True)
+    )
+    return RunResult(live[0].spec.policy, results, trace.total_blocks, request_hits)
+
+
+def _offer(index: PrefixIndex, tier: _Tier, keys: list[ChunkKey]) -> None:
+    """Touch the resident blocks of a request in `tier`, insert the rest; last block first."""
+    policy, idx = tier.policy, tier.idx
+    added = 0
+    for i in range(len(keys) - 1, -1, -1):
+        if index.add(keys, i, idx):
+            policy.insert(keys[i])
+            added += 1
+        else:
+            policy.touch(keys[i])
+    tier.resident += added
+    tier.inserts += added
+
+
+def _evict(index: PrefixIndex, tier: _Tier) -> None:
+    """Evict leaves of `tier` in policy order until it is within capacity."""
+    while (need := tier.resident - tier.spec.capacity_blocks) > 0:
+        victims = _pick_victims(index, tier, need)
+        if not victims:
+            return  # only a policy that hides residents gets here; the cache stops too
+        below = tier.below
+        for key in victims:
+            if below is not None:
+                _demote(index, below, key)  # before the discard, which may prune the node
+            index.discard(key, tier.idx)
+            tier.policy.evicted(key)
+        tier.resident -= len(victims)
+        tier.evictions += len(victims)
+
+
+def _pick_victims(index: PrefixIndex, tier: _Tier, need: int) -> list[ChunkKey]:
+    # NOTE: the same rule as the cache's _pick_victims: only leaves of this tier go, and a
+    # parent counts as a leaf once all its children in this tier are already picked.
+    idx = tier.idx
+    gone: Counter[ChunkKey] = Counter()
+    victims: list[ChunkKey] = []
+    for candidate in tier.policy.candidates():
+        key = cast(ChunkKey, candidate)
+        if index.children_in(key, idx) > gone[key]:
+            continue
+        victims.append(key)
+        parent = index.parent_of(key)
+        if parent is not None:
+            gone[parent] += 1
+        if len(victims) >= need:
+            break
+    return victims
+
+
+def _demote(index: PrefixIndex, tier: _Tier, key: ChunkKey) -> None:
+    """Write an evicted block into the write-back tier below (touch it if already there)."""
+    if index.mark(key, tier.idx):
+        tier.policy.insert(key)
+        tier.resident += 1
+        tier.inserts += 1
+    else:
+        tier.policy.touch(key)

@@ -1,0 +1,226 @@
+"""The stored form of one chunk, shared by the lmdb and remote tiers: header, payload, checks.
+
+A value is `u16 header length (little-endian) ‖ header ‖ payload`, where the header is the
+msgpack array `[magic, format version, layout fingerprint, key, payload length, checksum]`
+and the checksum is the 8-byte big-endian xxh3_64 digest of the payload. The length prefix
+lets a reader split header and payload without msgpack's streaming API, and because every
+field but the payload length has a fixed size, all values of one layout have the same size.
+
+A writer may append a seventh field, the per-layer checksums: the 8-byte xxh3_64 digests of
+the payload's `num_layers` equal slices, back to back. The payload is layer-major, so one
+layer is one contiguous byte range after the header; with these digests a reader that
+fetched only the header and some layers' ranges (the remote tier's `get_layers`) can still
+verify what it read. The lmdb tier writes six fields, the remote tier seven; a full read
+accepts both, since the whole-payload checksum covers every layer.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+import msgpack
+import xxhash
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Header",
+    "Verdict",
+    "check_header",
+    "check_layer",
+    "check_value",
+    "header_bytes",
+    "pack_value",
+    "value_bytes",
+]
+
+Bytes = bytes | bytearray | memoryview
+
+MAGIC = b"KVT1"
+"""First header field of every value this format writes."""
+FORMAT_VERSION = 1
+"""Bump when the header changes; entries of another version are then foreign (a miss)."""
+
+_PREFIX = struct.Struct("<H")
+_DIGEST = 8  # bytes of one xxh3_64 digest
+_BASE_FIELDS = 6  # without per-layer checksums
+_LAYER_FIELDS = 7  # with them
+
+
+class Verdict(enum.Enum):
+    """What a stored value turned out to be for the key it was read under."""
+
+    OK = 1  # ours and intact: the payload may be used
+    CORRUPT = 2  # unreadable header, wrong length or checksum
+    FOREIGN = 3  # intact, but of another layout, key or format version
+
+
+class Header(NamedTuple):
+    """A parsed header that matched the reader's layout and key."""
+
+    payload_len: int
+    checksum: bytes
+    """xxh3_64 digest of the whole payload."""
+    layer_checksums: bytes | None
+    """xxh3_64 digests of each layer's slice, back to back; `None` in a six-field header."""
+    payload_offset: int
+    """Where the payload starts in the stored value."""
+
+
+def _layer_digests(view: memoryview, num_layers: int) -> bytes:
+    step = view.nbytes // num_layers
+    return b"".join(
+        xxhash.xxh3_64_digest(view[i * step : (i + 1) * step]) for i in range(num_layers)
+    )
+
+
+def _header(
+    fingerprint: bytes, key: bytes, payload_len: int, checksum: bytes, layers: bytes | None
+) -> bytes:
+    fields: list[object] = [MAGIC, FORMAT_VERSION, fingerprint, key, payload_len, checksum]
+    if layers is not None:
+        fields.append(layers)
+    header: bytes = msgpack.packb(fields, use_bin_type=True)
+    return _PREFIX.pack(len(header)) + header
+
+
+def pack_value(fingerprint: bytes, key: bytes, payload: Bytes, *, num_layers: int = 0) -> bytes:
+    """Return the stored value of `payload` under `key`.
+
+    Args:
+        fingerprint: the layout fingerprint the payload belongs to.
+        key: the chunk key it is stored under.
+        payload: the chunk's bytes, C-contiguous.
+        num_layers: when > 0, also store the checksum of each of this many equal slices
+            (layers), so that a reader of only some layers can verify them.
+
+    Returns:
+        The header-prefixed value, built with one copy of the payload.
+    """
+    view = memoryview(payload).cast("B")
+    layers = _layer_digests(view, num_layers) if num_layers > 0 else None
+    head = _header(fingerprint, key, view.nbytes, xxhash.xxh3_64_digest(view), layers)
+    return b"".join((head, view))
+
+
+def header_bytes(fingerprint: bytes, payload_len: int, *, num_layers: int = 0) -> int:
+    """Return the size of the header (length prefix included) of a stored value."""
+    layers = bytes(_DIGEST * num_layers) if num_layers > 0 else None
+    return len(_header(fingerprint, bytes(16), payload_len, bytes(_DIGEST), layers))
+
+
+def value_bytes(fingerprint: bytes, payload_len: int, *, num_layers: int = 0) -> int:
+    """Return the size of a stored value holding `payload_len` payload bytes."""
+    return header_bytes(fingerprint, payload_len, num_layers=num_layers) + payload_len
+
+
+def _parse(
+    view: memoryview, *, fingerprint: bytes, key: bytes, payload_len: int
+) -> tuple[Verdict, Header | None]:
+    """Parse the header at the start of `view`; the payload itself is not checked."""
+    if view.nbytes < _PREFIX.size:
+        return Verdict.CORRUPT, None
+    (header_len,) = _PREFIX.unpack_from(view)
+    end = _PREFIX.size + header_len
+    if end > view.nbytes:
+        return Verdict.CORRUPT, None
+    try:
+        fields = msgpack.unpackb(view[_PREFIX.size : end], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return Verdict.CORRUPT, None
+    if (
+        not isinstance(fields, list)
+        or len(fields) not in (_BASE_FIELDS, _LAYER_FIELDS)
+        or fields[0] != MAGIC
+    ):
+        return Verdict.CORRUPT, None
+    version, stored_fingerprint, stored_key, stored_len, checksum = fields[1:_BASE_FIELDS]
+    if version != FORMAT_VERSION or stored_fingerprint != fingerprint or stored_key != key:
+        return Verdict.FOREIGN, None
+    layers = fields[_BASE_FIELDS] if len(fields) == _LAYER_FIELDS else None
+    if (
+        stored_len != payload_len
+        or not isinstance(checksum, bytes)
+        or len(checksum) != _DIGEST
+        or not _valid_layers(layers, payload_len)
+    ):
+        return Verdict.CORRUPT, None
+    return Verdict.OK, Header(stored_len, checksum, layers, end)
+
+
+def _valid_layers(layers: object, payload_len: int) -> bool:
+    if layers is None:
+        return True
+    if not isinstance(layers, bytes) or not layers or len(layers) % _DIGEST:
+        return False
+    return payload_len % (len(layers) // _DIGEST) == 0
+
+
+def check_value(
+    raw: Bytes, *, fingerprint: bytes, key: bytes, payload_len: int
+) -> tuple[Verdict, memoryview | None]:
+    """Parse and verify a stored value without copying its payload.
+
+    Args:
+        raw: the stored value (a zero-copy view of the map is fine).
+        fingerprint: the layout fingerprint the reader expects.
+        key: the key the value was read under.
+        payload_len: the payload size the reader expects.
+
+    Returns:
+        The verdict, and for `Verdict.OK` a view of the payload whose checksum matched.
+    """
+    view = memoryview(raw).cast("B")
+    verdict, header = _parse(view, fingerprint=fingerprint, key=key, payload_len=payload_len)
+    if header is None:
+        return verdict, None
+    payload = view[header.payload_offset :]
+    if payload.nbytes != payload_len or xxhash.xxh3_64_digest(payload) != header.checksum:
+        return Verdict.CORRUPT, None
+    return Verdict.OK, payload
+
+
+def check_header(
+    raw: Bytes, *, fingerprint: bytes, key: bytes, payload_len: int, num_layers: int
+) -> tuple[Verdict, Header | None]:
+    """Parse and check a header read on its own, for a read of some layers.
+
+    Args:
+        raw: the value's first bytes: exactly its length prefix and header.
+        fingerprint: the layout fingerprint the reader expects.
+        key: the key the value was read under.
+        payload_len: the payload size the reader expects.
+        num_layers: the layers the reader expects checksums for.
+
+    Returns:
+        The verdict, and for `Verdict.OK` the header. A header that is intact and ours but
+        ends elsewhere than `raw` does, or has no per-layer checksums for `num_layers`
+        layers, is `Verdict.CORRUPT` for this purpose: read the whole value to tell.
+    """
+    view = memoryview(raw).cast("B")
+    verdict, header = _parse(view, fingerprint=fingerprint, key=key, payload_len=payload_len)
+    if header is None:
+        return verdict, None
+    layers = header.layer_checksums
+    if (
+        header.payload_offset != view.nbytes
+        or layers is None
+        or len(layers) != _DIGEST * num_layers
+    ):
+        return Verdict.CORRUPT, None
+    return Verdict.OK, header
+
+
+def check_layer(header: Header, layer: int, data: Bytes) -> bool:
+    """Return whether `data` is layer `layer` of the payload that `header` describes."""
+    digests = header.layer_checksums
+    if digests is None or not 0 <= layer < len(digests) // _DIGEST:
+        return False
+    want = digests[layer * _DIGEST : (layer + 1) * _DIGEST]
+    num_layers = len(digests) // _DIGEST
+    return (
+        memoryview(data).nbytes == header.payload_len // num_layers
+        and xxhash.xxh3_64_digest(data) == want
+    )

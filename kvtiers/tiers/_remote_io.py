@@ -1,0 +1,398 @@
+"""Requests to an fsspec filesystem: bounded, timed out, retried, behind a circuit breaker.
+
+`ObjectStore` is the only place the remote tier touches fsspec. Async filesystems (s3fs,
+gcsfs, adlfs) are called through their coroutines on the event loop; sync ones (local,
+memory) in a thread pool of `max_in_flight` threads. Every request:
+
+- waits for one of `max_in_flight` slots;
+- may take `timeout` seconds; once started it runs to its end (or its timeout) even if the
+  caller is cancelled, so the caller's accounting can match the store (`on_success`);
+- is retried `retries` times with exponential backoff and jitter when it fails (a missing
+  object, `FileNotFoundError`, is an answer, not a failure; `PermissionError` is not
+  retried);
+- is refused at once, `StoreUnavailable`, while the circuit breaker is open.
+
+The breaker itself is in `_remote_breaker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import inspect
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.core import split_protocol, url_to_fs
+
+from kvtiers.core.errors import ConfigError, TierIOError
+from kvtiers.tiers._remote_breaker import (
+    BreakerState,
+    CircuitBreaker,
+    IOCounters,
+    StoreUnavailable,
+)
+from kvtiers.tiers._remote_options import Redactor, RemoteOptions, display_url
+
+__all__ = ["ObjectStore"]
+
+logger = logging.getLogger("kvtiers")
+
+_T = TypeVar("_T")
+_BACKOFF_BASE = 0.1  # seconds before the first retry; doubled for each further one
+_BACKOFF_CAP = 2.0
+# Filesystems whose PUT makes an object appear whole or not at all (object stores; the memory
+# filesystem commits a file on close). Others write a temporary name and rename it.
+_ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
+_S3 = frozenset({"s3", "s3a"})
+# Errors that are bugs (ours or a backend's), never a store being unreachable.
+_BUGS = (TypeError, AttributeError, NotImplementedError, AssertionError)
+
+
+class ObjectStore:
+    """One fsspec filesystem, reached through bounded, retried, breaker-guarded requests.
+
+    Args:
+        options: the tier's options (URL, storage options, limits).
+        name: the tier's name, for logs.
+    """
+
+    def __init__(self, options: RemoteOptions, name: str) -> None:
+        self.options, self.name = options, name
+        self.redact = Redactor(options.storage_options, options.url)
+        self.url = display_url(options.url)
+        self.protocol = split_protocol(options.url)[0] or "file"
+        self.atomic_put = self.protocol in _ATOMIC_PUT
+        self.breaker = CircuitBreaker(options.breaker_failures, options.breaker_cooldown)
+        self.counters = IOCounters()
+        self.root = ""
+        self._fs: Any = None
+        self._async = False
+        self._session: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._slots = asyncio.Semaphore(options.max_in_flight)
+
+    @staticmethod
+    def check_protocol(url: str, where: str) -> None:
+        """Raise `ConfigError` if no installed fsspec backend serves `url`."""
+        protocol = split_protocol(url)[0] or "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            hint = " (pip install 'kvtiers[remote]' for s3://)" if protocol in _S3 else ""
+            raise ConfigError(
+                f"{where}.url: protocol {protocol!r} is unavailable: {exc}{hint}"
+            ) from None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Build the filesystem (on the running loop, for async ones)."""
+        try:
+            cls = fsspec.get_filesystem_class(self.protocol)
+            self._async = bool(getattr(cls, "async_impl", False))
+            self._fs, root = url_to_fs(self.options.url, **self._fs_kwargs())
+            if self.protocol in _S3:
+                self._fs.retries = 1  # this class retries; s3fs's own loop would multiply it
+            if self._async and hasattr(self._fs, "set_session"):
+                self._session = await self._fs.set_session()
+        except Exception as exc:
+            await self.close()
+            raise TierIOError(
+                f"{self.name}: cannot open {self.url}: {self.describe(exc)}"
+            ) from None
+        self.root = str(root).rstrip("/")
+        if not self._async:
+            self._pool = ThreadPoolExecutor(
+                self.options.max_in_flight, thread_name_prefix=f"kvtiers-remote-{self.name}"
+            )
+
+    def _fs_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.options.storage_options)
+        # NOTE: each tier gets its own instance (fsspec would share one per argument set,
+        # across event loops), and listings are never cached: other nodes change the store.
+        kwargs.setdefault("skip_instance_cache", True)
+        kwargs.setdefault("use_listings_cache", False)
+        if self._async:
+            kwargs["asynchronous"] = True
+        if self.protocol in ("file", "local"):
+            kwargs.setdefault("auto_mkdir", True)
+        if self.protocol in _S3:
+            # botocore's own retries and 60 s timeouts would hide behind ours; ours rule.
+            config = dict(kwargs.get("config_kwargs") or {})
+            config.setdefault("connect_timeout", self.options.timeout)
+            config.setdefault("read_timeout", self.options.timeout)
+            config.setdefault("retries", {"max_attempts": 1})
+            # Every chunk carries its own xxh3 checksums; CRC32s of each body would be redundant.
+            config.setdefault("request_checksum_calculation", "when_required")
+            config.setdefault("response_checksum_validation", "when_required")
+            kwargs["config_kwargs"] = config
+        return kwargs
+
+    async def close(self) -> None:
+        """Release the filesystem's session and threads."""
+        session, self._session = self._session, None
+        close = getattr(session, "close", None)
+        if close is not None:
+            try:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await asyncio.wait_for(result, self.options.timeout)
+            except Exception as exc:  # closing must not fail the tier's close
+                logger.debug("kvtiers: %s: closing the session: %s", self.name, self.describe(exc))
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            # NOTE: its threads only return bytes (they never touch a caller's buffer), so a
+            # call stuck in the filesystem need not hold up the close.
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._fs = None
+
+    def describe(self, exc: BaseException) -> str:
+        """Return `exc` as one short line with every secret redacted."""
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return self.redact(" ".join(text.split()))[:300]
+
+    @property
+    def is_object_store(self) -> bool:
+        """Whether requests go over the network (an async filesystem: s3fs, gcsfs...)."""
+        return self._async
+
+    @property
+    def available(self) -> bool:
+        """Whether a request would be tried now (the breaker is not refusing)."""
+        return self.breaker.would_allow()
+
+    # -- operations --------------------------------------------------------------------
+
+    async def cat(self, path: str, size: int | None = None) -> bytes | None:
+        """Return the object at `path`, or `None` if there is none.
+
+        Args:
+            path: the object.
+            size: read at most this many bytes, in one ranged request (s3fs reads a whole
+                object with two: its size, then its bytes).
+        """
+        try:
+            if size is None:
+                data: bytes = await self._request("cat_file", path)
+                return data
+            try:
+                data = await self._request(
+                    "cat_file", path, start=0, end=size, answer=_range_refused
+                )
+            except OSError as exc:
+                if not _range_refused(exc):
+                    raise
+                data = await self._request("cat_file", path)  # an empty object, most likely
+            return data
+        except FileNotFoundError:
+            return None
+
+    async def cat_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[Any] | None:
+        """Return byte ranges `[start, end)` of one object (an exception where one failed).
+
+        Returns:
+            One item per range, `bytes` or the exception that range raised; `None` if the
+            object does not exist.
+        """
+        paths = [path] * len(ranges)
+        starts, ends = [r[0] for r in ranges], [r[1] for r in ranges]
+        try:
+            parts: list[Any] = await self._request(
+                "cat_ranges", paths, starts, ends, on_error="return"
+            )
+        except FileNotFoundError:
+            return None
+        if any(isinstance(part, FileNotFoundError) for part in parts):
+            return None
+        return parts
+
+    async def info(self, path: str) -> dict[str, Any] | None:
+        """Return the object's details (`size`, ...), or `None` if there is none."""
+        # NOTE: s3fs's info() lists the "directory" after a 404; one HEAD is all we need.
+        method = _s3_head if self._async and hasattr(self._fs, "_call_s3") else "info"
+        try:
+            details: dict[str, Any] = await self._request(method, path)
+        except FileNotFoundError:
+            return None
+        return details
+
+    async def write(self, path: str, data: bytes, on_success: Callable[[], None]) -> None:
+        """Store `data` at `path` whole: a reader sees the old object or the new one.
+
+        `on_success` runs once the object is stored, also if the caller was cancelled
+        meanwhile (a started write is finished, not abandoned).
+        """
+        if self.atomic_put:
+            await self._request("pipe_file", path, data, on_success=on_success)
+        else:
+            await self._request(_write_renamed, path, data, on_success=on_success)
+
+    async def rm(self, path: str) -> None:
+        """Delete the object at `path`; a missing one is fine."""
+        with contextlib.suppress(FileNotFoundError):
+            await self._request("rm_file", path)
+
+    async def find(self, path: str, *, retries: int | None = None) -> dict[str, dict[str, Any]]:
+        """Return every object below `path` with its details (none if `path` is absent).
+
+        Args:
+            path: the folder or prefix.
+            retries: retries after a failure, instead of the configured number.
+        """
+        try:
+            found: dict[str, dict[str, Any]] = await self._request(
+                "find", path, detail=True, max_retries=retries
+            )
+        except FileNotFoundError:
+            return {}
+        return found
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def _request(
+        self,
+        method: str | Callable[..., Any],
+        *args: Any,
+        on_success: Callable[[], None] | None = None,
+        max_retries: int | None = None,
+        answer: Callable[[BaseException], bool] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run one filesystem call with the slot, timeout, retry and breaker rules.
+
+        `FileNotFoundError`, and errors for which `answer` is true, are the store's answer:
+        they reach the caller as they are, and count as the store being reachable.
+        """
+        retries = self.options.retries if max_retries is None else max_retries
+        attempt = 0
+        call = self._call(method, args, kwargs)
+        while True:
+            if not self.breaker.allow():
+                self.counters.refused += 1
+                raise StoreUnavailable(f"{self.url}: unavailable (circuit breaker open)")
+            try:
+                async with self._slots:
+                    self.counters.requests += 1
+                    result = await self._attempt(call, on_success)
+            except asyncio.CancelledError:
+                self.breaker.abandon()
+                raise
+            except _BUGS:
+                self.breaker.abandon()
+                raise
+            except Exception as exc:
+                if isinstance(exc, FileNotFoundError) or (answer is not None and answer(exc)):
+                    self._succeeded()
+                    raise
+                self._failed(exc)
+                if (
+                    attempt >= retries
+                    or isinstance(exc, PermissionError)
+                    or self.breaker.state is not BreakerState.CLOSED
+                ):
+                    raise StoreUnavailable(f"{self.url}: {self.describe(exc)}") from None
+                attempt += 1
+                self.counters.retries += 1
+                delay = min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            else:
+                self._succeeded()
+                return result
+
+    def _call(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Callable[[], Awaitable[Any]]:
+        fs = self._fs
+        if fs is None:
+            raise StoreUnavailable(f"{self.url}: not open")
+        if inspect.iscoroutinefunction(method):  # a helper of ours, for async filesystems
+            return lambda: method(fs, *args, **kwargs)
+        if callable(method):  # a helper of ours, for sync filesystems
+            fn = functools.partial(method, fs, *args, **kwargs)
+        elif self._async:
+            coro_fn = getattr(fs, f"_{method}")
+            return lambda: coro_fn(*args, **kwargs)
+        else:
+            fn = functools.partial(getattr(fs, method), *args, **kwargs)
+        loop, pool = asyncio.get_running_loop(), self._pool
+        if pool is None:
+            raise StoreUnavailable(f"{self.url}: not open")
+        return lambda: loop.run_in_executor(pool, fn)
+
+    async def _attempt(
+        self, call: Callable[[], Awaitable[_T]], on_success: Callable[[], None] | None
+    ) -> _T:
+        fut = asyncio.ensure_future(call())
+        timeout = self.options.timeout
+        try:
+            # NOTE: asyncio.wait does not cancel `fut` when this task is cancelled.
+            done, _ = await asyncio.wait({fut}, timeout=timeout)
+        except asyncio.CancelledError:
+            # Started: let it end (within its timeout) so that its effect is accounted.
+            await asyncio.wait({fut}, timeout=timeout)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._succeeded()
+                if on_success is not None:
+                    on_success()
+            else:
+                fut.cancel()
+            raise
+        if not done:
+            fut.cancel()
+            self.counters.timeouts += 1
+            raise TimeoutError(f"no answer within {timeout:g} s")
+        result = fut.result()
+        if on_success is not None:
+            on_success()
+        return result
+
+    def _succeeded(self) -> None:
+        if self.breaker.success():
+            logger.info("kvtiers: remote tier %r: %s is reachable again", self.name, self.url)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.counters.failures += 1
+        if self.breaker.failure():
+            logger.warning(
+                "kvtiers: remote tier %r: %s failed %d times in a row (%s); serving misses "
+                "and dropping writes, probing again every %g s",
+                self.name,
+                self.url,
+                self.breaker.consecutive,
+                self.describe(exc),
+                self.breaker.cooldown,
+            )
+        else:
+            logger.debug("kvtiers: remote tier %r: %s", self.name, self.describe(exc))
+
+
+def _range_refused(exc: BaseException) -> bool:
+    """Return whether `exc` is an object store refusing a byte range (HTTP 416: too short)."""
+    return isinstance(exc, OSError) and exc.errno == errno.EINVAL
+
+
+async def _s3_head(fs: Any, path: str) -> dict[str, Any]:
+    """Return an S3 object's size from one HEAD request (s3fs)."""
+    bucket, key, _ = fs.split_path(path)
+    out = await fs._call_s3("head_object", Bucket=bucket, Key=key)
+    return {"name": path, "size": int(out["ContentLength"]), "type": "file"}
+
+
+def _write_renamed(fs: Any, path: str, data: bytes) -> None:
+    """Write `data` under a temporary name beside `path`, then rename it (one atomic step)."""
+    parent, _, base = path.rpartition("/")
+    tmp = f"{parent}/.{base}.{random.getrandbits(64):016x}.tmp"
+    try:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.rm_file(tmp)
+        raise

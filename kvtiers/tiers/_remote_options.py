@@ -1,0 +1,184 @@
+"""The remote tier's config keys, validated, and how its URL and secrets are shown."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import ConfigError
+
+__all__ = ["RemoteOptions", "Redactor", "display_url"]
+
+_OPTIONS = (
+    "breaker_cooldown",
+    "breaker_failures",
+    "max_in_flight",
+    "retries",
+    "scan_interval",
+    "storage_options",
+    "timeout",
+    "ttl",
+    "url",
+)
+# Option names whose values are credentials; matched as whole words of a snake-case name.
+_SECRET_WORDS = frozenset(
+    {"secret", "token", "password", "passwd", "credential", "credentials", "key", "sas"}
+)
+_MIN_SECRET_CHARS = 4  # shorter values would be redacted out of ordinary text
+_MIN_ENV_SECRET_CHARS = 8  # environment values are many and not all credentials
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOptions:
+    """The remote tier's own config keys."""
+
+    url: str
+    """fsspec URL of the pool's root, e.g. `"s3://bucket/prefix"`; chunks go below it."""
+    storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Passed to the fsspec filesystem (credentials, `endpoint_url`, `client_kwargs`...)."""
+    max_in_flight: int = 16
+    """Object requests in flight at once, over all of the tier's calls."""
+    timeout: float = 10.0
+    """Seconds one request may take before it counts as failed."""
+    retries: int = 3
+    """Retries of a failed request, with exponential backoff, before it is given up."""
+    breaker_failures: int = 5
+    """Consecutive failed requests that open the circuit breaker."""
+    breaker_cooldown: float = 5.0
+    """Seconds the breaker stays open before one probe request may try the store."""
+    ttl: float | None = None
+    """Seconds after its last access that an object expires; `None`: never."""
+    scan_interval: float = 300.0
+    """Seconds between scans of the namespace (usage, eviction, expiry); 0: at open only.
+
+    A scan lists the namespace (one request per 1000 objects) and reads every process's
+    access log, so on a large pool it is not free."""
+
+    @classmethod
+    def from_config(cls, config: TierConfig) -> RemoteOptions:
+        """Validate the kind options of `config`.
+
+        Raises:
+            ConfigError: an option is missing, unknown or invalid; the message names it.
+        """
+        where, raw = config.where, dict(config.options)
+        unknown = sorted(set(raw) - set(_OPTIONS))
+        if unknown:
+            raise ConfigError(
+                f"{where}.{unknown[0]}: unknown key for kind 'remote'; expected "
+                f"{', '.join(_OPTIONS)}"
+            )
+        url = raw.get("url")
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigError(
+                f"{where}.url: required; expected an fsspec URL such as 's3://bucket/prefix', "
+                f"got {url!r}"
+            )
+        storage = raw.get("storage_options", {})
+        if not isinstance(storage, Mapping) or not all(isinstance(k, str) for k in storage):
+            raise ConfigError(f"{where}.storage_options: expected a table, got {storage!r:.60}")
+        ttl = raw.get("ttl")
+        return cls(
+            url=url.strip(),
+            storage_options=MappingProxyType(dict(storage)),
+            max_in_flight=_int(raw, "max_in_flight", 16, 1, where),
+            timeout=_seconds(raw, "timeout", 10.0, where),
+            retries=_int(raw, "retries", 3, 0, where),
+            breaker_failures=_int(raw, "breaker_failures", 5, 1, where),
+            breaker_cooldown=_seconds(raw, "breaker_cooldown", 5.0, where),
+            ttl=None if ttl is None else _seconds(raw, "ttl", 0.0, where),
+            scan_interval=_seconds(raw, "scan_interval", 300.0, where, allow_zero=True),
+        )
+
+
+def _int(raw: dict[str, Any], name: str, default: int, minimum: int, where: str) -> int:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}.{name}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _seconds(
+    raw: dict[str, Any], name: str, default: float, where: str, *, allow_zero: bool = False
+) -> float:
+    value = raw.get(name, default)
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{where}.{name}: expected a number of seconds {bound}, got {value!r}")
+    return float(value)
+
+
+def display_url(url: str) -> str:
+    """Return `url` without user info, query or fragment, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.scheme or not parts.netloc:
+        return url.split("?", 1)[0]
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _is_secret_name(name: str) -> bool:
+    words = set(re.split(r"[^a-z0-9]+", re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()))
+    return bool(words & _SECRET_WORDS)
+
+
+class Redactor:
+    """Replace credentials (in `storage_options`, URL user info, the environment) with `***`.
+
+    Every message the remote tier logs or raises passes through one, so no secret reaches a
+    log line, including the text of a backend's exception.
+    """
+
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any],
+        url: str = "",
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        secrets: set[str] = set()
+        _collect(storage_options, secrets, secret_parent=False)
+        # Credentials a backend may take from the environment (AWS_SECRET_ACCESS_KEY...).
+        env = os.environ if environ is None else environ
+        secrets.update(
+            v for k, v in env.items() if len(v) >= _MIN_ENV_SECRET_CHARS and _is_secret_name(k)
+        )
+        userinfo = urllib.parse.urlsplit(url).netloc.rpartition("@")[0]
+        secrets.update(s for s in userinfo.split(":") if s)
+        self._secrets = sorted(
+            (s for s in secrets if len(s) >= _MIN_SECRET_CHARS), key=len, reverse=True
+        )
+
+    def __call__(self, text: str) -> str:
+        """Return `text` with every known secret replaced."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+
+def _collect(value: object, out: set[str], *, secret_parent: bool, name: str = "") -> None:
+    secret = secret_parent or _is_secret_name(name)
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _collect(item, out, secret_parent=secret, name=str(key))
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _collect(item, out, secret_parent=secret)
+    elif isinstance(value, str):
+        if secret:
+            out.add(value)
+        elif "@" in value and "://" in value:  # an endpoint with user info
+            userinfo = urllib.parse.urlsplit(value).netloc.rpartition("@")[0]
+            out.update(s for s in userinfo.split(":") if s)
