@@ -13,6 +13,7 @@ from typing import Any
 
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError
+from kvtiers.tiers.base import check_option_keys
 
 __all__ = ["RemoteOptions", "Redactor", "display_url"]
 
@@ -69,12 +70,7 @@ class RemoteOptions:
             ConfigError: an option is missing, unknown or invalid; the message names it.
         """
         where, raw = config.where, dict(config.options)
-        unknown = sorted(set(raw) - set(_OPTIONS))
-        if unknown:
-            raise ConfigError(
-                f"{where}.{unknown[0]}: unknown key for kind 'remote'; expected "
-                f"{', '.join(_OPTIONS)}"
-            )
+        check_option_keys(config, "remote", _OPTIONS)
         url = raw.get("url")
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Self
 
@@ -12,12 +12,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import CacheStateError, InvalidInputError
+from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierCounters, TierStats, TierUsage
 
-__all__ = ["Buffer", "Tier", "TierState"]
+__all__ = ["Buffer", "Tier", "TierState", "check_option_keys"]
 
 Buffer = npt.NDArray[np.uint8]
 """A chunk's bytes: a uint8 array of `layout.chunk_bytes` bytes, any shape, any strides.
@@ -25,6 +25,17 @@ Buffer = npt.NDArray[np.uint8]
 Its C-order element sequence is the payload (`[layer][k|v][token][head][dim]`), so a strided
 view of a caller's KV tensor is a valid destination or source and saves a copy.
 """
+
+
+def check_option_keys(config: TierConfig, kind: str, allowed: Iterable[str]) -> None:
+    """Raise a `ConfigError` naming the first kind option of `config` not in `allowed`."""
+    known = sorted(allowed)
+    unknown = sorted(set(config.options) - set(known))
+    if unknown:
+        expected = ", ".join(known) if known else "none"
+        raise ConfigError(
+            f"{config.where}.{unknown[0]}: unknown option for kind {kind!r}; expected {expected}"
+        )
 
 
 class TierState(enum.Enum):
@@ -65,6 +76,12 @@ class Tier(ABC):
         self.capacity_bytes = config.capacity_bytes
         self.counters = TierCounters()
         self._state = TierState.UNOPENED
+        if self.manages_eviction and config.eviction != "lru":
+            raise ConfigError(
+                f"{config.where}.eviction: the {self.kind} tier evicts least-recently-used by "
+                f"capacity itself (other processes share its entries); expected 'lru', "
+                f"got {config.eviction!r}"
+            )
 
     @classmethod
     def from_config(cls, config: TierConfig, layout: KVLayout, **resources: Any) -> Self:

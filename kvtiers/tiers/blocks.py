@@ -13,7 +13,7 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
-from kvtiers.tiers.base import Tier, TierState
+from kvtiers.tiers.base import Tier, TierState, check_option_keys
 
 __all__ = ["BlockTier", "PinnedViews", "Reservation", "Reserved"]
 
@@ -41,9 +41,7 @@ class BlockTier(Tier, Generic[ViewT]):
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
-        unknown = sorted(set(config.options) - self._OPTIONS)
-        if unknown:
-            raise ConfigError(f"{config.where}.{unknown[0]}: unknown option for {self.kind!r}")
+        check_option_keys(config, self.kind, self._OPTIONS)
         self.num_chunks = config.capacity_bytes // layout.chunk_bytes
         """Blocks in the buffer: the capacity in whole chunks."""
         if self.num_chunks < 1:

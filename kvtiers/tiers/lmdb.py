@@ -22,7 +22,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _lmdb_format as fmt
 from kvtiers.tiers._lmdb_format import Databases, Verdict, Writer
-from kvtiers.tiers.base import Buffer, Tier
+from kvtiers.tiers.base import Buffer, Tier, check_option_keys
 
 __all__ = ["LMDBOptions", "LMDBTier"]
 
@@ -64,11 +64,7 @@ class LMDBOptions:
             ConfigError: an option is missing, unknown or invalid; the message names it.
         """
         where, raw = config.where, dict(config.options)
-        unknown = sorted(set(raw) - set(_OPTIONS))
-        if unknown:
-            raise ConfigError(
-                f"{where}.{unknown[0]}: unknown key for kind 'lmdb'; expected {', '.join(_OPTIONS)}"
-            )
+        check_option_keys(config, "lmdb", _OPTIONS)
         path = raw.get("path")
         path = os.fspath(path) if isinstance(path, os.PathLike) else path
         if not isinstance(path, str) or not path:
@@ -127,12 +123,6 @@ class LMDBTier(Tier):
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         self.options = LMDBOptions.from_config(config)
-        if config.eviction != "lru":
-            raise ConfigError(
-                f"{config.where}.eviction: the lmdb tier evicts least-recently-used by capacity "
-                f"itself (its entries are shared across processes); expected 'lru', "
-                f"got {config.eviction!r}"
-            )
         self._fingerprint = layout.fingerprint
         self._value_len = fmt.value_bytes(self._fingerprint, layout.chunk_bytes)
         if self.capacity_bytes < self._value_len:

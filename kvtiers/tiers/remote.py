@@ -96,12 +96,6 @@ class RemoteTier(Tier):
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         self.options = RemoteOptions.from_config(config)
-        if config.eviction != "lru":
-            raise ConfigError(
-                f"{config.where}.eviction: the remote tier evicts least-recently-used by "
-                f"capacity itself (its objects are shared across nodes); expected 'lru', "
-                f"got {config.eviction!r}"
-            )
         ObjectStore.check_protocol(self.options.url, config.where)
         self._fingerprint = layout.fingerprint
         self._header_len = fmt.header_bytes(
