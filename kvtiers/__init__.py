@@ -18,6 +18,7 @@ from kvtiers.core.errors import (
     TierIOError,
     TokenError,
 )
+from kvtiers.core.events import ChunkRemoved, ChunkStored
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats, TierStats, TierUsage
@@ -30,6 +31,8 @@ __all__ = [
     "CacheStateError",
     "CacheStats",
     "ChunkKey",
+    "ChunkRemoved",
+    "ChunkStored",
     "ConfigError",
     "InvalidInputError",
     "KVLayout",

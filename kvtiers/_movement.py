@@ -21,6 +21,7 @@ import torch
 
 from kvtiers._endpoints import Sink, Source
 from kvtiers.core.config import TierConfig
+from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
@@ -37,6 +38,7 @@ View = Buffer | torch.Tensor
 """A block view: host bytes (DRAM) or a device tensor (HBM)."""
 _WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
 _STAGE_BATCH = 32  # chunks staged in host memory at once when no block is free
+_RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
 
 
 @dataclass(slots=True, eq=False)
@@ -68,9 +70,21 @@ class Mover:
     """Carry out lookups, loads, stores and evictions over the slots of one cache."""
 
     def __init__(
-        self, layout: KVLayout, index: PrefixIndex, slots: list[Slot], queue_chunks: int
+        self,
+        layout: KVLayout,
+        index: PrefixIndex,
+        slots: list[Slot],
+        queue_chunks: int,
+        events: EventQueue | None = None,
     ) -> None:
         self._layout = layout
+        self._events = events
+        """Where residency changes go; `None` when events are off (nothing is allocated)."""
+        self.miss_reasons: Counter[str] = Counter()
+        """Per lookup or short load, why the first chunk not served was not (see `lookup`)."""
+        # NOTE: a dict as a bounded insertion-ordered set: the oldest key goes first.
+        self._evicted: dict[ChunkKey, None] = {}
+        self._errors = 0  # tier calls failed so far (`_call`)
         self._index = index
         self._slots = slots
         self._queue_chunks = queue_chunks
@@ -112,6 +126,24 @@ class Mover:
 
     # -- lookup ------------------------------------------------------------------------
 
+    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """`longest_prefix`, counting in `miss_reasons` why the chunk after the hit was missed.
+
+        Reasons: "tier_error" (a tier call failed during the lookup), "evicted" (the cache
+        evicted or dropped the chunk recently), "never_stored" (nothing known of it).
+        """
+        errors = self._errors
+        num_chunks = await self.longest_prefix(keys)
+        if num_chunks < len(keys):
+            if self._errors != errors:
+                reason = "tier_error"
+            elif keys[num_chunks] in self._evicted:
+                reason = "evicted"
+            else:
+                reason = "never_stored"
+            self.miss_reasons[reason] += 1
+        return num_chunks
+
     async def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """Return how many leading `keys` some tier holds.
 
@@ -136,16 +168,34 @@ class Mover:
                     found[j] = True
                     self._index.add(keys, trusted + j, slot.idx)
                 else:
-                    self._index.discard(rest[j], slot.idx)
+                    self._drop(slot, rest[j])
         return trusted + _leading(found)
 
     # -- load --------------------------------------------------------------------------
 
     async def load(self, keys: Sequence[ChunkKey], sink: Sink) -> int:
-        """Deliver the leading cached chunks of `keys` to `sink`; return how many."""
+        """Deliver the leading cached chunks of `keys` to `sink`; return how many.
+
+        A load that delivers fewer chunks than the index knew of counts one miss reason:
+        "corrupt" (a tier found an entry corrupt), "tier_error", or else "load_short".
+        """
+        known = self._index.match(keys).num_chunks
+        corrupt, errors = self._corrupt_count(), self._errors
         done = [False] * len(keys)
         await self._gather(keys, sink, done)
-        return _leading(done)
+        loaded = _leading(done)
+        if loaded < known:
+            if self._corrupt_count() != corrupt:
+                reason = "corrupt"
+            elif self._errors != errors:
+                reason = "tier_error"
+            else:
+                reason = "load_short"
+            self.miss_reasons[reason] += 1
+        return loaded
+
+    def _corrupt_count(self) -> int:
+        return sum(slot.tier.counters.corrupt for slot in self._slots)
 
     async def prefetch(self, keys: Sequence[ChunkKey]) -> int:
         """Promote the cached prefix of `keys` into the top memory tier; return its chunks."""
@@ -228,7 +278,7 @@ class Mover:
                 done[i] = True
                 self._index.add(keys, i, slot.idx)
             else:
-                self._index.discard(keys[i], slot.idx)
+                self._drop(slot, keys[i])
 
     async def _get_into(
         self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]
@@ -329,7 +379,8 @@ class Mover:
                 flags = await self._put(slot, todo_keys, [stage[j] for j in todo])
                 for j, flag in zip(todo, flags, strict=True):
                     if flag:
-                        self._index.add(keys, part[j], slot.idx)
+                        if self._index.add(keys, part[j], slot.idx):
+                            self._stored(slot, keys[part[j]])
                         if j in left:
                             left.remove(j)
                             placed.append(j)
@@ -379,8 +430,8 @@ class Mover:
                         held = [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
                         flags = await self._put(slot, [k for k, _ in held], [v for _, v in held])
                     for (key, _), flag in zip(held, flags, strict=True):
-                        if flag:
-                            self._index.mark(key, slot.idx)
+                        if flag and self._index.mark(key, slot.idx):
+                            self._stored(slot, key)
             except Exception:  # a writer must outlive any one failed batch
                 logger.exception("kvtiers: write-through to %s failed", slot.tier.name)
                 slot.tier.counters.errors += len(keys)
@@ -414,7 +465,8 @@ class Mover:
 
     def _record_inserts(self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int]) -> None:
         for i in idxs:
-            self._index.add(keys, i, slot.idx)
+            if self._index.add(keys, i, slot.idx):
+                self._stored(slot, keys[i])
         if slot.policy is not None:
             for i in reversed(idxs):
                 slot.policy.insert(keys[i])
@@ -470,12 +522,13 @@ class Mover:
                     flags = await self._put(below, [k for k, _ in held], [v for _, v in held])
                 for (key, _), flag in zip(held, flags, strict=True):
                     if flag:
-                        self._index.mark(key, below.idx)
+                        if self._index.mark(key, below.idx):
+                            self._stored(below, key)
                         below.tier.counters.demotions += 1
             await tier.delete(victims)
             assert slot.policy is not None
             for key in victims:
-                self._index.discard(key, slot.idx)
+                self._drop(slot, key)
                 slot.policy.evicted(key)
             tier.counters.evictions += len(victims)
         finally:
@@ -494,4 +547,27 @@ class Mover:
                 "kvtiers: tier %s failed; served as misses", slot.tier.name, exc_info=True
             )
             slot.tier.counters.errors += 1
+            self._errors += 1
             return default
+
+    # -- events ------------------------------------------------------------------------
+
+    def _stored(self, slot: Slot, key: ChunkKey) -> None:
+        """Report that `key` became resident in `slot` (when events are on)."""
+        if self._events is not None:
+            self._events.append(ChunkStored(slot.tier.name, key, self._layout.chunk_size))
+
+    def _drop(self, slot: Slot, key: ChunkKey) -> None:
+        """Forget that `slot` holds `key`: evicted, a stale hint, or found corrupt.
+
+        Only a residency the index knew is reported and remembered as evicted.
+        """
+        if not self._index.discard(key, slot.idx):
+            return
+        evicted = self._evicted
+        evicted.pop(key, None)
+        evicted[key] = None
+        if len(evicted) > _RECENTLY_EVICTED:
+            del evicted[next(iter(evicted))]
+        if self._events is not None:
+            self._events.append(ChunkRemoved(slot.tier.name, key, self._layout.chunk_size))

@@ -18,6 +18,7 @@ from kvtiers._movement import Mover, Slot
 from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import CacheStateError, ConfigError
+from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout
@@ -76,7 +77,10 @@ class TieredCache:
         self._hasher = ChunkHasher(layout.fingerprint, layout.chunk_size)
         self._index = PrefixIndex(len(config.tiers))
         self._slots = _build_slots(self.config, layout, registry or TierRegistry())
-        self._mover = Mover(layout, self._index, self._slots, config.write_queue_chunks)
+        self._events = EventQueue(config.events) if config.events > 0 else None
+        self._mover = Mover(
+            layout, self._index, self._slots, config.write_queue_chunks, self._events
+        )
         self._state = CacheState.UNOPENED
         self._stack = AsyncExitStack()
         self._engines: dict[torch.device, CopyEngine] = {}
@@ -188,7 +192,7 @@ class TieredCache:
         self._ensure_open()
         arr = as_tokens(tokens)
         keys = self._hasher.keys_of_array(arr, salt)
-        num_chunks = await self._mover.longest_prefix(keys)
+        num_chunks = await self._mover.lookup(keys)
         hit = num_chunks * self.layout.chunk_size
         self._counts["lookups"] += 1
         self._counts["lookup_tokens"] += len(arr)
@@ -351,6 +355,19 @@ class TieredCache:
         self._ensure_open()
         await self._mover.flush()
 
+    def take_events(self) -> list[ChunkStored | ChunkRemoved]:
+        """Return the KV events since the last call, oldest first, and clear them.
+
+        A `ChunkStored` says a chunk became resident in a tier (placed in the top tier,
+        promoted, demoted, written through, or placed below when the top tier was full); a
+        `ChunkRemoved` says the cache evicted or dropped one (evicted from a memory tier, a
+        stale hint discarded, an entry found corrupt or missing on load). Tiers that evict
+        by themselves (lmdb, remote) do not tell the cache: their removals are reported only
+        when the cache next finds the chunk missing. Empty when the config's `events` is 0;
+        when the queue is full the oldest events are dropped (`CacheStats.events_dropped`).
+        """
+        return self._events.drain() if self._events is not None else []
+
     def stats(self) -> CacheStats:
         """Return a snapshot of the cache's and every tier's counters."""
         c = self._counts
@@ -365,6 +382,8 @@ class TieredCache:
             stores=int(c["stores"]),
             stored_tokens=int(c["stored_tokens"]),
             write_queue_chunks=self._mover.queued_chunks(),
+            miss_reasons=dict(self._mover.miss_reasons),
+            events_dropped=self._events.dropped if self._events is not None else 0,
             tiers=tuple(slot.tier.stats() for slot in self._slots),
         )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import re
 import shutil
@@ -107,6 +108,7 @@ def _build_parser() -> argparse.ArgumentParser:
     explain.add_argument("config", metavar="CONFIG", help="a .toml, .yaml or .yml file")
     explain.set_defaults(run=_run_explain)
     _add_remote_parser(commands)
+    _add_inspect_parser(commands)
     add_replay_commands(commands)
     return parser
 
@@ -343,6 +345,38 @@ def _by_filesystem(tiers: Sequence[TierConfig]) -> dict[Path, list[TierConfig]]:
         anchor = _existing_parent(tc.options["path"])
         groups.setdefault(anchor.stat().st_dev, (anchor, []))[1].append(tc)
     return dict(groups.values())
+
+
+# -- inspect ---------------------------------------------------------------------------
+
+
+def _add_inspect_parser(commands: Any) -> None:
+    inspect = commands.add_parser(
+        "inspect", help="count (and with --verify, check) what an LMDB path or remote URL holds"
+    )
+    inspect.add_argument("target", metavar="PATH|URL", help="an LMDB directory or fsspec URL")
+    inspect.add_argument("--verify", action="store_true", help="read and checksum every entry")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+    inspect.add_argument(
+        "--storage-options", metavar="JSON", help="fsspec options for a URL, as a JSON object"
+    )
+    inspect.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from kvtiers._inspect import format_text, inspect, to_json
+
+    options = None
+    if args.storage_options is not None:
+        try:
+            options = json.loads(args.storage_options)
+        except ValueError as exc:
+            raise ConfigError(f"--storage-options: not JSON: {exc}") from None
+        if not isinstance(options, dict):
+            raise ConfigError("--storage-options: expected a JSON object")
+    result = inspect(args.target, verify=args.verify, storage_options=options)
+    print(to_json(result) if args.json else "\n".join(format_text(result)))
+    return 1 if result.bad else 0
 
 
 # -- remote ----------------------------------------------------------------------------

@@ -17,6 +17,8 @@ def test_exported_members():
         "CacheStateError",
         "CacheStats",
         "ChunkKey",
+        "ChunkRemoved",
+        "ChunkStored",
         "ConfigError",
         "InvalidInputError",
         "KVLayout",

@@ -110,10 +110,12 @@ class CacheConfig:
     """The KV layout; `None` when an engine adapter supplies it."""
     write_queue_chunks: int = 256
     """Chunks queued per write-through tier before `store` waits (back-pressure)."""
+    events: int = 0
+    """Capacity of the KV event queue (`TieredCache.take_events`); 0 turns events off."""
 
     def with_layout(self, layout: KVLayout) -> CacheConfig:
         """Return a copy of this config with `layout` set."""
-        return CacheConfig(self.tiers, layout, self.write_queue_chunks)
+        return CacheConfig(self.tiers, layout, self.write_queue_chunks, self.events)
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> CacheConfig:
@@ -157,9 +159,11 @@ def _read_file(path: Path) -> Mapping[str, Any]:
 
 
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
-    unknown = sorted(set(data) - {"layout", "tiers", "write_queue_chunks"})
+    unknown = sorted(set(data) - {"layout", "tiers", "write_queue_chunks", "events"})
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key; expected layout, tiers, write_queue_chunks")
+        raise ConfigError(
+            f"{unknown[0]}: unknown key; expected layout, tiers, write_queue_chunks, events"
+        )
     layout = None
     if "layout" in data:
         raw = data["layout"]
@@ -180,7 +184,13 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
     depth = data.get("write_queue_chunks", 256)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ConfigError(f"write_queue_chunks: expected an integer >= 1, got {depth!r}")
-    return CacheConfig(tiers, layout, depth)
+    events = data.get("events", 0)
+    if isinstance(events, bool) or not isinstance(events, int) or events < 0:
+        raise ConfigError(
+            f"events: expected an integer >= 0 (the event queue's capacity; 0 is off), "
+            f"got {events!r}"
+        )
+    return CacheConfig(tiers, layout, depth, events)
 
 
 def _parse_tier(i: int, raw: object) -> TierConfig:

@@ -99,6 +99,13 @@ class CacheStats:
     """Tokens newly stored (already cached chunks excluded)."""
     write_queue_chunks: int = 0
     """Chunks waiting in write-through queues now."""
+    miss_reasons: dict[str, int] = field(default_factory=dict)
+    """Why lookups and loads fell short, by reason: per lookup that missed a chunk,
+    "never_stored", "evicted" or "tier_error" for the chunk after the hit prefix; per load
+    that delivered fewer chunks than the index knew of, "corrupt", "tier_error" or
+    "load_short". See docs/operations.md for what to change for each."""
+    events_dropped: int = 0
+    """KV events dropped because the event queue was full (see `TieredCache.take_events`)."""
     tiers: tuple[TierStats, ...] = field(default_factory=tuple)
     """Per-tier snapshots, top first."""
 

@@ -134,11 +134,13 @@ class WorkerSide:
             except Exception as exc:
                 job.future.cancel()
                 logger.warning("kvtiers: a load failed (%s); vLLM recomputes", exc)
-                self._count("load_errors")
                 loaded = 0
             self._count("load_wait_seconds", time.monotonic() - started)
             job.upto = min(spec.end, loaded // block * block)
             if job.upto < spec.end:
+                # A failed tier read comes back as a shorter load (the cache turns tier
+                # failures into misses); either way these blocks are recomputed.
+                self._count("load_errors")
                 first_bad = max(0, (job.upto - spec.start) // block)
                 self._failed.update(spec.block_ids[first_bad:])
                 self._count("load_failed_tokens", spec.end - max(job.upto, spec.start))

@@ -33,6 +33,7 @@ __all__ = [
     "check_value",
     "header_bytes",
     "pack_value",
+    "peek_header",
     "value_bytes",
 ]
 
@@ -156,6 +157,31 @@ def _valid_layers(layers: object, payload_len: int) -> bool:
     if not isinstance(layers, bytes) or not layers or len(layers) % _DIGEST:
         return False
     return payload_len % (len(layers) // _DIGEST) == 0
+
+
+def peek_header(raw: Bytes) -> tuple[bytes, int] | None:
+    """Return the layout fingerprint and payload size a stored value claims, unverified.
+
+    For tools that read values of any layout (`kvtiers inspect`); `None` when the header
+    cannot be parsed. Pass the result to `check_value` to verify the value.
+    """
+    view = memoryview(raw).cast("B")
+    if view.nbytes < _PREFIX.size:
+        return None
+    (header_len,) = _PREFIX.unpack_from(view)
+    end = _PREFIX.size + header_len
+    if end > view.nbytes:
+        return None
+    try:
+        fields = msgpack.unpackb(view[_PREFIX.size : end], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    if not isinstance(fields, list) or len(fields) < _BASE_FIELDS or fields[0] != MAGIC:
+        return None
+    fingerprint, payload_len = fields[2], fields[4]
+    if not isinstance(fingerprint, bytes) or not isinstance(payload_len, int):
+        return None
+    return fingerprint, payload_len
 
 
 def check_value(

@@ -27,7 +27,14 @@ from kvtiers.tiers._remote_catalog import (
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_options import RemoteOptions
 
-__all__ = ["Namespace", "PurgeResult", "is_fingerprint", "list_pool", "purge_namespace"]
+__all__ = [
+    "Namespace",
+    "PurgeResult",
+    "is_fingerprint",
+    "list_pool",
+    "open_store",
+    "purge_namespace",
+]
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 
@@ -60,7 +67,8 @@ class PurgeResult:
 
 
 @asynccontextmanager
-async def _open_store(config: TierConfig) -> AsyncIterator[ObjectStore]:
+async def open_store(config: TierConfig) -> AsyncIterator[ObjectStore]:
+    """Open the tier's object store without opening the tier (no scan, no eviction)."""
     options = RemoteOptions.from_config(config)
     ObjectStore.check_protocol(options.url, config.where)
     store = ObjectStore(options, config.name)
@@ -79,7 +87,7 @@ async def list_pool(config: TierConfig, layout: KVLayout | None) -> list[Namespa
         TierIOError: the store cannot be listed.
     """
     current = None if layout is None else layout.fingerprint.hex()
-    async with _open_store(config) as store:
+    async with open_store(config) as store:
         try:
             found = await store.find(store.root)
             groups: dict[str, dict[str, Any]] = {}
@@ -126,7 +134,7 @@ async def purge_namespace(
     if older_than is not None and older_than < 0:
         raise ConfigError(f"--older-than: expected a non-negative age, got {older_than}")
     now = time.time() if now is None else now
-    async with _open_store(config) as store:
+    async with open_store(config) as store:
         namespace = f"{store.root}/{layout.fingerprint.hex()}"
         try:
             listing = await scan(store, namespace)

@@ -1,0 +1,201 @@
+"""`kvtiers inspect`: what an LMDB environment or a remote pool holds, and whether it is intact.
+
+Nothing here opens a tier: opening runs scans that evict and expire, and inspecting must
+change nothing. Values are grouped by the layout fingerprint their header names, so a store
+shared by several models (or left by an old one) is read without any config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvtiers.core.config import TierConfig, format_size
+from kvtiers.core.errors import ConfigError
+from kvtiers.tiers import _chunk_format as fmt
+
+__all__ = ["BadEntry", "Inspection", "Namespace", "format_text", "inspect", "to_json"]
+
+_UNREADABLE = "?"  # the namespace of values whose header cannot be parsed
+
+
+@dataclass(slots=True)
+class Namespace:
+    """The entries of one layout fingerprint."""
+
+    fingerprint: str
+    """The layout fingerprint in hex, or "?" for values whose header is unreadable."""
+    entries: int = 0
+    bytes: int = 0
+    """Bytes of stored values, headers included."""
+
+
+@dataclass(frozen=True, slots=True)
+class BadEntry:
+    """A value that failed verification."""
+
+    key: str
+    """The key (hex) it is stored under."""
+    fingerprint: str
+    problem: str
+    """"corrupt" (header, length or checksum) or "foreign" (its header names another key)."""
+
+
+@dataclass(slots=True)
+class Inspection:
+    """What `inspect` found."""
+
+    kind: str
+    """"lmdb" or "remote"."""
+    location: str
+    namespaces: list[Namespace] = field(default_factory=list)
+    verified: bool = False
+    """Whether every value was read and its checksum verified."""
+    checked: int = 0
+    """Values verified."""
+    bad: list[BadEntry] = field(default_factory=list)
+
+
+def inspect(
+    target: str, *, verify: bool = False, storage_options: dict[str, Any] | None = None
+) -> Inspection:
+    """Inspect an LMDB environment (a directory) or a remote pool (an fsspec URL).
+
+    Raises:
+        ConfigError: `target` is neither an LMDB environment nor a supported URL.
+        TierIOError: the remote store cannot be listed.
+    """
+    if "://" in target:
+        return asyncio.run(_inspect_remote(target, verify, storage_options or {}))
+    if storage_options:
+        raise ConfigError("--storage-options: only for a remote URL")
+    return _inspect_lmdb(Path(target), verify)
+
+
+def _verdict(raw: fmt.Bytes, key: bytes) -> tuple[str, str | None]:
+    """Return the value's fingerprint (hex) and its problem (`None` when intact)."""
+    peeked = fmt.peek_header(raw)
+    if peeked is None:
+        return _UNREADABLE, "corrupt"
+    fingerprint, payload_len = peeked
+    verdict, _ = fmt.check_value(raw, fingerprint=fingerprint, key=key, payload_len=payload_len)
+    problem = None if verdict is fmt.Verdict.OK else verdict.name.lower()
+    return fingerprint.hex(), problem
+
+
+@contextmanager
+def _progress(total: int, verify: bool, what: str) -> Iterator[tqdm[Any]]:
+    bar = tqdm(total=total, unit="chunk", desc=what, disable=not verify or not sys.stderr.isatty())
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
+    import lmdb
+
+    if not (path / "data.mdb").is_file():
+        raise ConfigError(f"{path}: not an LMDB environment (no data.mdb); give a path or a URL")
+    result = Inspection("lmdb", str(path), verified=verify)
+    groups: dict[str, Namespace] = {}
+    env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False, subdir=True)
+    try:
+        chunks = env.open_db(b"chunks", create=False)
+        with env.begin(db=chunks, buffers=True) as txn:
+            total = txn.stat(chunks)["entries"]
+            with _progress(total, verify, "verify") as bar, txn.cursor() as cursor:
+                for raw_key, raw in cursor:
+                    key = bytes(raw_key)
+                    if verify:
+                        fingerprint, problem = _verdict(raw, key)
+                        result.checked += 1
+                        bar.update()
+                        if problem is not None:
+                            result.bad.append(BadEntry(key.hex(), fingerprint, problem))
+                    else:
+                        peeked = fmt.peek_header(raw)
+                        fingerprint = _UNREADABLE if peeked is None else peeked[0].hex()
+                    group = groups.setdefault(fingerprint, Namespace(fingerprint))
+                    group.entries += 1
+                    group.bytes += len(raw)
+    except lmdb.Error as exc:
+        raise ConfigError(f"{path}: cannot read the LMDB environment: {exc}") from exc
+    finally:
+        env.close()
+    result.namespaces = sorted(groups.values(), key=lambda g: -g.bytes)
+    return result
+
+
+async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any]) -> Inspection:
+    from kvtiers.tiers._remote_admin import is_fingerprint, list_pool, open_store
+    from kvtiers.tiers._remote_options import display_url
+
+    config = TierConfig(
+        "remote", 1, name="inspect", options={"url": url, "storage_options": storage_options}
+    )
+    result = Inspection("remote", display_url(url), verified=verify)
+    pool = await list_pool(config, None)
+    result.namespaces = [
+        Namespace(
+            ns.fingerprint if is_fingerprint(ns.fingerprint) else _UNREADABLE,
+            len(ns.listing.objects),
+            ns.listing.used_bytes,
+        )
+        for ns in pool
+        if ns.listing.objects
+    ]
+    if not verify:
+        return result
+    objects = [obj for ns in pool for obj in ns.listing.objects.values()]
+    async with open_store(config) as store:
+        with _progress(len(objects), verify, "verify") as bar:
+            for obj in objects:
+                raw = await store.cat(obj.path)
+                result.checked += 1
+                bar.update()
+                if raw is None:  # deleted since the listing (evicted by a cache)
+                    continue
+                fingerprint, problem = _verdict(raw, obj.key)
+                if problem is not None:
+                    result.bad.append(BadEntry(obj.key.hex(), fingerprint, problem))
+    return result
+
+
+def to_json(result: Inspection) -> str:
+    """Return the inspection as a JSON document."""
+    doc = {
+        "kind": result.kind,
+        "location": result.location,
+        "namespaces": [
+            {"fingerprint": g.fingerprint, "entries": g.entries, "bytes": g.bytes}
+            for g in result.namespaces
+        ],
+        "verified": result.verified,
+        "checked": result.checked,
+        "bad": [
+            {"key": b.key, "fingerprint": b.fingerprint, "problem": b.problem} for b in result.bad
+        ],
+    }
+    return json.dumps(doc, indent=2)
+
+
+def format_text(result: Inspection) -> list[str]:
+    """Return the inspection as lines for a terminal."""
+    lines = [f"{result.kind} at {result.location}"]
+    if not result.namespaces:
+        lines.append("  empty")
+    for g in result.namespaces:
+        lines.append(f"  {g.fingerprint}  {g.entries:,} entries, {format_size(g.bytes)}")
+    if result.verified:
+        lines.append(f"verified {result.checked:,} entries: {len(result.bad):,} bad")
+        lines += [f"  {b.problem:8} {b.key}  (layout {b.fingerprint})" for b in result.bad]
+    return lines
