@@ -73,12 +73,12 @@ def add_replay_commands(commands: Any) -> None:
     )
     replay.add_argument(
         "--block-tokens",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="tokens per block (default: 512 for Mooncake traces; for token traces the "
         "config's chunk size, else 256)",
     )
-    replay.add_argument("--limit", type=_positive_int, metavar="N", help="replay N requests only")
+    replay.add_argument("--limit", type=positive_int, metavar="N", help="replay N requests only")
     _add_cost_arguments(replay, model_required=False)
     replay.add_argument("--json", action="store_true", help="print one JSON object instead")
     replay.add_argument("--plot", metavar="OUT", help="write a figure (PNG, SVG, PDF)")
@@ -127,7 +127,8 @@ def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool
     )
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """Parse a command-line integer >= 1 (an argparse `type`)."""
     try:
         value = int(text)
     except ValueError:

@@ -29,6 +29,7 @@ import torch
 
 from kvtiers import __version__
 from kvtiers._cli_replay import add_replay_commands
+from kvtiers._cli_replay import positive_int as _positive_int
 from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, TierConfig, format_size, load_config
 from kvtiers.core.errors import ConfigError, KVTiersError
@@ -111,16 +112,6 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_inspect_parser(commands)
     add_replay_commands(commands)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 # -- demo ------------------------------------------------------------------------------
