@@ -1,19 +1,34 @@
-"""Time to first token in a real vLLM engine with and without kvtiers serving the prefix.
+"""Time to first token in a real vLLM engine: kvtiers, vLLM's prefix cache, ExampleConnector.
 
-Each request is a long prefix of its own (`PREFIX` tokens) plus a short question, answered
-with one greedy token, one request at a time, so the measured time is the time to first
-token. vLLM's own prefix cache is off in every engine, so a hit can only come from kvtiers.
+Every prompt is one shared prefix (the same for all) plus a distinct tail (sizes in `SIZES`),
+answered with one greedy token, one request at a time, so the measured
+time is the time to first token. All rows come from one run (one process, engines built one
+after another with `VLLM_ENABLE_V1_MULTIPROCESSING=0`), medians over the prompts:
 
-- baseline: an engine without connector computes every prefix.
-- kvtiers, LMDB: a restarted engine (empty DRAM tier) loads each prefix from the LMDB tier
-  that an earlier engine filled.
-- kvtiers, DRAM: the same engine again; the prefixes were promoted into DRAM by the loads.
+- no cache: an engine without connector and with vLLM's prefix cache off (full prefill).
+- floor: vLLM's own prefix cache warm (same engine, each prompt's second request).
+- kvtiers, LMDB warm / cold: an earlier engine stored every prompt; each measured request
+  runs in a fresh engine (empty DRAM tier), with the page cache warm, or dropped
+  (`echo 3 > /proc/sys/vm/drop_caches`, needs root) right before the request.
+- kvtiers, DRAM: one restarted engine, second pass (the loads promoted the chunks).
+- every kvtiers row twice: with the default `chunk_size` (256 tokens; only whole chunks are
+  cached, so up to 256 tokens are recomputed) and with `chunk_size` = the block size (32).
+- ExampleConnector warm / cold: vLLM's built-in connector (one safetensors file per layer and
+  prompt, in a temp dir), filled by an earlier engine, measured in a fresh engine.
+- new prompts: the shared prefix with tails no engine has seen: no cache, kvtiers (the DRAM
+  engine) and ExampleConnector (which keys whole prompts, so reuses nothing).
+
+vLLM's prefix cache is off in every engine but the floor's, so other hits come only from the
+connector. Before each request the script syncs and pauses `SETTLE_S`, so background work
+of the previous request (kvtiers' saves and promotions) does not overlap it. Goals: kvtiers'
+time above the floor at most half of ExampleConnector's (warm and cold); on new prompts
+sharing the prefix, kvtiers' TTFT at most a quarter of no cache.
 
 The model is a random-weight Llama built offline (`tests/integrations/build_tiny_llama.py`),
-8 layers of 1024 (2 of 256 with `--quick`); vLLM runs in-process on the CPU backend. The
-engine side runs under the vLLM virtualenv (`.venv-vllm`, built by `python -m pytest
-tests/integrations`); the parent only prints the report. Not part of `run_all`: it needs
-that environment and takes about 12 minutes on two cores (1 minute with `--quick`).
+sizes in `SIZES`; vLLM runs in-process on the CPU backend. The engine side runs under the vLLM
+virtualenv (`.venv-vllm`, built by `python -m pytest tests/integrations`); the parent only
+prints the report. Not part of `run_all`: it needs that environment and root for the cold
+rows (without root they are skipped).
 
 Run: `python -m benchmarks.bench_vllm_ttft [--quick]`.
 """
@@ -37,28 +52,52 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BUILDER = ROOT / "tests" / "integrations" / "build_tiny_llama.py"
 BLOCK = 32
 _MARK = "TTFT_RESULT "
+# (layers, hidden, shared tokens, distinct tokens, prompts)
+SETTLE_S = 1.0  # pause before each timed request
+SIZES = {"full": (2, 256, 3584, 512, 5), "quick": (2, 256, 896, 128, 3)}
 
 
-def _engine(model: str, config: dict[str, Any] | None) -> Any:
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _engine(model: str, connector: dict[str, Any] | None, *, prefix_caching: bool = False) -> Any:
     from vllm import LLM
 
-    transfer = None
-    if config is not None:
-        transfer = {
-            "kv_connector": "KVTiersConnector",
-            "kv_role": "kv_both",
-            "kv_connector_module_path": "kvtiers.integrations.vllm",
-            "kv_connector_extra_config": {"config": config},
-        }
     return LLM(
         model=model,
         dtype="bfloat16",
         enforce_eager=True,
         block_size=BLOCK,
-        max_model_len=4096,
-        enable_prefix_caching=False,
-        kv_transfer_config=transfer,
+        max_model_len=4608,  # 4,096-token prompts + 1 (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
+        max_num_batched_tokens=4608,
+        enable_prefix_caching=prefix_caching,
+        kv_transfer_config=connector,
     )
+
+
+def _kvtiers(work: Path, chunk_size: int | None) -> dict[str, Any]:
+    config = {
+        "tiers": [
+            {"kind": "dram", "capacity": "1GiB"},
+            {"kind": "lmdb", "path": str(work / "lmdb"), "capacity": "4GiB"},
+        ]
+    }
+    return {
+        "kv_connector": "KVTiersConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "kvtiers.integrations.vllm",
+        "kv_connector_extra_config": {"config": config}
+        | ({} if chunk_size is None else {"chunk_size": chunk_size}),
+    }
+
+
+def _example(work: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(work / "example")},
+    }
 
 
 def _close(llm: Any) -> None:
@@ -69,49 +108,120 @@ def _close(llm: Any) -> None:
     gc.collect()
 
 
-def _ttfts(llm: Any, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
+def _drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _ttft(llm: Any, prompt: list[int], *, cold: bool = False) -> tuple[float, int]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    # Requests are isolated: background work left by the previous one (a connector's saves,
+    # promotions, dirty pages) settles first, so it does not land in this request's time.
+    os.sync()
+    time.sleep(SETTLE_S)
+    if cold:
+        _drop_caches()
+    start = time.perf_counter()
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - start, out.num_cached_tokens or 0
+
+
+def _ttfts(
+    llm: Any, prompts: list[list[int]], *, cold: bool = False
+) -> tuple[list[float], list[int]]:
+    pairs = [_ttft(llm, p, cold=cold) for p in prompts]
+    return [t for t, _ in pairs], [c for _, c in pairs]
+
+
+def _fresh_each(
+    model: str, connector: dict[str, Any], warmup: list[int], prompts: list[list[int]], *,
+    cold: bool,
+) -> tuple[list[float], list[int]]:  # fmt: skip
+    """One fresh engine per request: nothing of the previous request is in its memory.
+
+    Each engine first answers `warmup` (stored too, so the load path is warm) untimed."""
     times, cached = [], []
     for prompt in prompts:
-        start = time.perf_counter()
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        cached.append(out.num_cached_tokens or 0)
+        llm = _engine(model, connector)
+        _ttft(llm, warmup)
+        t, c = _ttft(llm, prompt, cold=cold)
+        _close(llm)
+        times.append(t)
+        cached.append(c)
     return times, cached
 
 
-def engine_side(model: str, work: Path, prefix: int, count: int) -> dict[str, Any]:
-    """Run the three phases in this (vLLM) process; return the timings."""
+def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) -> dict[str, Any]:
+    """Run every row in this (vLLM) process; return the timings."""
     import random
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(prefix + 20)] for _ in range(count)]
-    config = {
-        "tiers": [
-            {"kind": "dram", "capacity": "1GiB"},
-            {"kind": "lmdb", "path": str(work / "lmdb"), "capacity": "4GiB"},
-        ]
-    }
-    base = _engine(model, None)
-    _ttfts(base, prompts[:1])  # warm-up
-    baseline, _ = _ttfts(base, prompts)
-    _close(base)
-    filler = _engine(model, config)
-    _ttfts(filler, prompts)  # computes and stores every prefix
-    _close(filler)
-    restarted = _engine(model, config)
-    from_lmdb, cached_lmdb = _ttfts(restarted, prompts)
-    from_dram, cached_dram = _ttfts(restarted, prompts)
-    _close(restarted)
-    return {
-        "baseline": baseline,
-        "lmdb": from_lmdb,
-        "dram": from_dram,
-        "cached_lmdb": cached_lmdb,
-        "cached_dram": cached_dram,
-    }
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    head = tokens(shared)
+    prompts = [head + tokens(distinct) for _ in range(count)]
+    fresh = [head + tokens(distinct) for _ in range(count)]  # new tails, same prefix
+    warmup = tokens(shared + distinct)
+    can_drop = os.geteuid() == 0
+    out: dict[str, Any] = {"can_drop": can_drop}
+
+    def put(row: str, res: tuple[list[float], list[int]]) -> None:
+        out[row], out[f"cached_{row}"] = res
+        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
+
+    _log("no cache")
+    llm = _engine(model, None)
+    _ttft(llm, warmup)
+    put("none", _ttfts(llm, prompts))
+    put("none_new", _ttfts(llm, fresh))
+    _close(llm)
+
+    _log("floor: vLLM prefix cache")
+    llm = _engine(model, None, prefix_caching=True)
+    _ttft(llm, warmup)
+    _ttfts(llm, prompts)
+    put("floor", _ttfts(llm, prompts))
+    _close(llm)
+
+    for tag, chunk in (("kv", None), ("kv32", BLOCK)):
+        kv = _kvtiers(work / tag, chunk)
+        _log(f"kvtiers (chunk_size {chunk or 'default'}): fill")
+        llm = _engine(model, kv)
+        _ttfts(llm, [warmup, *prompts])
+        _close(llm)
+        put(f"{tag}_lmdb_warm", _fresh_each(model, kv, warmup, prompts, cold=False))
+        if can_drop:
+            put(f"{tag}_lmdb_cold", _fresh_each(model, kv, warmup, prompts, cold=True))
+        llm = _engine(model, kv)
+        _ttfts(llm, prompts)  # loads from LMDB, promotes into DRAM
+        put(f"{tag}_dram", _ttfts(llm, prompts))
+        put(f"{tag}_new", _ttfts(llm, fresh))
+        _close(llm)
+
+    ex = _example(work)
+    _log("ExampleConnector: fill")
+    llm = _engine(model, ex)
+    _ttfts(llm, [warmup, *prompts])
+    _close(llm)
+    llm = _engine(model, ex)
+    _ttft(llm, warmup)
+    put("ex_warm", _ttfts(llm, prompts))
+    if can_drop:
+        put("ex_cold", _ttfts(llm, prompts, cold=True))
+    put("ex_new", _ttfts(llm, fresh))
+    _close(llm)
+    return out
+
+
+def _row(name: str, value: float, base: float, floor: float, notes: str, target: str = "-",
+         passed: bool | None = None) -> Result:  # fmt: skip
+    return Result(name, value * 1e3, base * 1e3, "ms", base / value, target, passed,
+                  f"{notes}; above floor {(value - floor) * 1e3:,.0f} ms")  # fmt: skip
 
 
 def run(quick: bool) -> list[Result]:
@@ -120,7 +230,7 @@ def run(quick: bool) -> list[Result]:
         raise RuntimeError(
             f"{VLLM_PYTHON} is missing; `python -m pytest tests/integrations` builds it"
         )
-    layers, hidden, prefix, count = (2, 256, 1024, 4) if quick else (8, 1024, 2048, 6)
+    layers, hidden, shared, distinct, count = SIZES["quick" if quick else "full"]
     with tempfile.TemporaryDirectory(prefix="kvtiers-ttft-") as tmp:
         work = Path(tmp)
         model = work / "model"
@@ -129,37 +239,74 @@ def run(quick: bool) -> list[Result]:
              "--hidden", str(hidden)],
             check=True, capture_output=True,
         )  # fmt: skip
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+        }
         env.pop("VIRTUAL_ENV", None)
         cmd = [str(VLLM_PYTHON), "-m", "benchmarks.bench_vllm_ttft", "--engine", str(model),
-               str(work), str(prefix), str(count)]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+               str(work), str(shared), str(distinct), str(count)]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
         if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"engine side failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+            raise RuntimeError(f"engine side failed:\n{proc.stdout[-4000:]}")
         data = json.loads(lines[-1][len(_MARK) :])
-    base = statistics.median(data["baseline"])
-    size = f"{layers} layers x {hidden}, prefix {prefix} tokens, {count} requests"
+    med: dict[str, float] = {
+        k: statistics.median(v)
+        for k, v in data.items()
+        if isinstance(v, list) and not k.startswith("cached_")
+    }
+    base, floor = med["none"], med["floor"]
+    size = (f"{layers} layers x {hidden}, {shared} shared + {distinct} distinct tokens, "
+            f"{count} prompts")  # fmt: skip
+
+    def cached(row: str) -> str:
+        return f"{min(data[f'cached_{row}'])} tokens cached (min)"
+
+    def above(row: str) -> float:
+        return med[row] - floor
+
     results = [
-        Result.of_times("TTFT, no connector (full prefill)", base, None, notes=size),
+        Result.of_times("TTFT, no cache (full prefill)", base, None, notes=size),
+        _row("TTFT, vLLM prefix cache warm (floor)", floor, base, floor, cached("floor")),
     ]
-    for tier in ("lmdb", "dram"):
-        cached = min(data[f"cached_{tier}"])
-        results.append(
-            Result.of_times(
-                f"TTFT, prefix from kvtiers {tier.upper()}",
-                statistics.median(data[tier]),
-                base,
-                notes=f"{size}; at least {cached} tokens loaded per request",
-            )
-        )
+    new_base = med["none_new"]
+    for tag, label in (("kv", "kvtiers"), ("kv32", "kvtiers chunk_size 32")):
+        results.append(_row(f"TTFT, {label} DRAM", med[f"{tag}_dram"], base, floor,
+                            cached(f"{tag}_dram")))  # fmt: skip
+        for temp in ("warm", "cold"):
+            if f"{tag}_lmdb_{temp}" not in med:
+                continue
+            ok = above(f"{tag}_lmdb_{temp}") <= 0.5 * above(f"ex_{temp}")
+            goal = f"above floor <= 0.5 x ExampleConnector's ({above(f'ex_{temp}') * 1e3:,.0f} ms)"
+            results.append(_row(f"TTFT, {label} LMDB, page cache {temp}",
+                                med[f"{tag}_lmdb_{temp}"], base, floor,
+                                cached(f"{tag}_lmdb_{temp}"), goal, ok))  # fmt: skip
+        row = f"{tag}_new"
+        results.append(Result(
+            f"TTFT, new prompts, {label} DRAM", med[row] * 1e3, new_base * 1e3, "ms",
+            new_base / med[row], "value <= 0.25 x no cache", med[row] <= 0.25 * new_base,
+            cached(row),
+        ))  # fmt: skip
+    for temp in ("warm", "cold"):
+        if f"ex_{temp}" in med:
+            results.append(_row(f"TTFT, ExampleConnector, page cache {temp}", med[f"ex_{temp}"],
+                                base, floor, cached(f"ex_{temp}")))  # fmt: skip
+    results.append(Result.of_times("TTFT, new prompts, no cache", new_base, None,
+                                   notes="shared prefix + unseen tail"))  # fmt: skip
+    results.append(Result.of_times("TTFT, new prompts, ExampleConnector", med["ex_new"], new_base,
+                                   notes=cached("ex_new")))  # fmt: skip
+    print(_MARK + json.dumps({"medians_ms": {k: v * 1e3 for k, v in med.items()}, **data}))
     return results
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--engine":
-        _, _, model_dir, work_dir, prefix_tokens, num = sys.argv
-        out = engine_side(model_dir, Path(work_dir), int(prefix_tokens), int(num))
+    if len(sys.argv) == 7 and sys.argv[1] == "--engine":
+        _, _, model_dir, work_dir, shared_tokens, distinct_tokens, num = sys.argv
+        out = engine_side(model_dir, Path(work_dir), int(shared_tokens), int(distinct_tokens),
+                          int(num))  # fmt: skip
         print(_MARK + json.dumps(out), flush=True)
     else:
         main(run, __doc__.splitlines()[0])
