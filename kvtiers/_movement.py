@@ -85,6 +85,7 @@ class Mover:
         # NOTE: a dict as a bounded insertion-ordered set: the oldest key goes first.
         self._evicted: dict[ChunkKey, None] = {}
         self._errors = 0  # tier calls failed so far (`_call`)
+        self._drops = 0  # residencies dropped so far (`_drop`)
         self._index = index
         self._slots = slots
         self._queue_chunks = queue_chunks
@@ -179,12 +180,16 @@ class Mover:
         A load that delivers fewer chunks than the index knew of counts one miss reason:
         "corrupt" (a tier found an entry corrupt), "tier_error", or else "load_short".
         """
-        known = self._index.match(keys).num_chunks
-        corrupt, errors = self._corrupt_count(), self._errors
+        corrupt, errors, drops = self._corrupt_count(), self._errors, self._drops
         done = [False] * len(keys)
         await self._gather(keys, sink, done)
         loaded = _leading(done)
-        if loaded < known:
+        # NOTE: decided after the fact, with no extra index walk on the hot path: the first
+        # chunk not delivered was known if the index still holds it or this load dropped it.
+        if loaded < len(keys) and (
+            self._index.tiers_of(keys[loaded])
+            or (self._drops != drops and keys[loaded] in self._evicted)
+        ):
             if self._corrupt_count() != corrupt:
                 reason = "corrupt"
             elif self._errors != errors:
@@ -564,6 +569,7 @@ class Mover:
         """
         if not self._index.discard(key, slot.idx):
             return
+        self._drops += 1
         evicted = self._evicted
         evicted.pop(key, None)
         evicted[key] = None
