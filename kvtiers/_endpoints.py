@@ -22,7 +22,17 @@ from kvtiers.gpu.handle import CopyHandle
 from kvtiers.gpu.paged import PagedKV, payload_tensor
 from kvtiers.tiers.base import Buffer
 
-__all__ = ["PagedSink", "PagedSource", "Sink", "Source", "TensorSink", "TensorSource", "View"]
+__all__ = [
+    "ChunkSink",
+    "ChunkSource",
+    "PagedSink",
+    "PagedSource",
+    "Sink",
+    "Source",
+    "TensorSink",
+    "TensorSource",
+    "View",
+]
 
 View = Buffer | torch.Tensor
 """A tier block's bytes: a host NumPy view (DRAM) or a device tensor (HBM)."""
@@ -93,6 +103,50 @@ class TensorSource(Source):
                 np.copyto(view.reshape(src.shape), src)
             else:
                 payload_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
+
+
+class ChunkSink(Sink):
+    """Deliver chunk `i` into `dsts[i]`, a tensor of one chunk's payload shape.
+
+    Host tensors (a permuted view is fine when its last axis is contiguous) are filled by
+    the tiers directly; device tensors through one copy.
+    """
+
+    def __init__(self, layout: KVLayout, dsts: Sequence[torch.Tensor]) -> None:
+        self._layout = layout
+        self._dsts = dsts
+        self._bytes = [host_bytes(dst) for dst in dsts]
+
+    def direct(self, idx: int) -> Buffer | None:
+        # docstring inherited
+        return self._bytes[idx]
+
+    async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
+        # docstring inherited
+        for idx, view in zip(idxs, views, strict=True):
+            dst = self._bytes[idx]
+            if dst is not None and isinstance(view, np.ndarray):
+                np.copyto(dst, view.reshape(dst.shape))
+            else:
+                self._dsts[idx].copy_(payload_tensor(self._layout, view))
+
+
+class ChunkSource(Source):
+    """Fill chunk `i` from `srcs[i]`, a tensor of one chunk's payload shape."""
+
+    def __init__(self, layout: KVLayout, srcs: Sequence[torch.Tensor]) -> None:
+        self._layout = layout
+        self._srcs = srcs
+        self._bytes = [host_bytes(src) for src in srcs]
+
+    async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
+        # docstring inherited
+        for idx, view in zip(idxs, views, strict=True):
+            src = self._bytes[idx]
+            if src is not None and isinstance(view, np.ndarray):
+                np.copyto(view.reshape(src.shape), src)
+            else:
+                payload_tensor(self._layout, view).copy_(self._srcs[idx])
 
 
 class _Paged:

@@ -199,6 +199,39 @@ class Mover:
             self.miss_reasons[reason] += 1
         return loaded
 
+    async def gather(self, keys: Sequence[ChunkKey], sink: Sink) -> list[bool]:
+        """Deliver every chunk of `keys` that some tier holds to `sink`; return which were.
+
+        Unlike `load`, the keys need not be a prefix: each is served on its own.
+        """
+        done = [False] * len(keys)
+        if keys:
+            await self._gather(keys, sink, done)
+        return done
+
+    def held(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Return, for each key, whether the index knows a tier holding it."""
+        return [bool(self._index.tiers_of(key)) for key in keys]
+
+    async def clear(self) -> int:
+        """Remove every chunk the index knows from every tier; return the residencies removed.
+
+        Waits for the write-through queues first, so no queued write lands afterwards.
+        """
+        await self.flush()
+        removed = 0
+        for slot in self._slots:
+            keys = list(self._index.keys_in(slot.idx))
+            for lo in range(0, len(keys), _WRITE_BATCH * 16):
+                part = keys[lo : lo + _WRITE_BATCH * 16]
+                await self._call(slot, slot.tier.delete(part), None)
+                for key in part:
+                    self._drop(slot, key)
+                    if slot.policy is not None:
+                        slot.policy.remove(key)
+            removed += len(keys)
+        return removed
+
     def _corrupt_count(self) -> int:
         return sum(slot.tier.counters.corrupt for slot in self._slots)
 

@@ -15,6 +15,7 @@ from kvtiers.core.layout import KVLayout
 __all__ = [
     "TORCH_DTYPES",
     "as_tokens",
+    "check_chunks",
     "check_kv",
     "check_out",
     "host_bytes",
@@ -98,3 +99,28 @@ def check_out(layout: KVLayout, out: object, num_tokens: int) -> torch.Tensor:
     if shape[2] < num_tokens:
         raise LayoutMismatch(f"out: room for {shape[2]} tokens, {num_tokens} needed")
     return out
+
+
+def check_chunks(layout: KVLayout, tensors: object, num_keys: int, what: str) -> list[torch.Tensor]:
+    """Check that `tensors` holds one chunk-shaped tensor of the layout per key.
+
+    Raises:
+        LayoutMismatch: not a sequence of tensors, or a wrong count, dtype or shape.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, list | tuple):
+        raise LayoutMismatch(f"{what}: expected a list of tensors, one per key")
+    if len(tensors) != num_keys:
+        raise LayoutMismatch(f"{what}: {len(tensors)} tensors for {num_keys} keys")
+    want = layout.chunk_shape()
+    dtype = torch_dtype(layout)
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutMismatch(
+                f"{what}[{i}]: expected a torch.Tensor, got {type(tensor).__name__}"
+            )
+        if tensor.dtype != dtype or tuple(tensor.shape) != want:
+            raise LayoutMismatch(
+                f"{what}[{i}]: expected shape {want} of {layout.dtype}, got "
+                f"{tuple(tensor.shape)} of {tensor.dtype}"
+            )
+    return list(tensors)

@@ -13,14 +13,21 @@ from typing import Any, Self
 
 import torch
 
-from kvtiers._endpoints import PagedSink, PagedSource, TensorSink, TensorSource
+from kvtiers._endpoints import (
+    ChunkSink,
+    ChunkSource,
+    PagedSink,
+    PagedSource,
+    TensorSink,
+    TensorSource,
+)
 from kvtiers._movement import Mover, Slot
-from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
+from kvtiers._tensors import as_tokens, check_chunks, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
-from kvtiers.core.errors import CacheStateError, ConfigError
+from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
-from kvtiers.core.keys import ChunkHasher, ChunkKey
+from kvtiers.core.keys import KEY_BYTES, ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
 from kvtiers.eviction import available_policies, make_policy
@@ -350,6 +357,111 @@ class TieredCache:
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         return await self._mover.prefetch(keys) * self.layout.chunk_size
 
+    # -- the key-level API, for engines that hash their own pages -----------------------
+
+    def chunk_keys(self, hashes: Any, *, salt: Salt = None) -> list[ChunkKey]:
+        """Return the chunk keys of an engine's own chained page hashes, in order.
+
+        Each hash is taken under the layout fingerprint and `salt`, so another model, shard
+        or tenant never shares a key. One engine page is one chunk: the engine's page size
+        must equal the layout's `chunk_size`.
+
+        Raises:
+            TokenError: a hash is not a non-empty `str` or `bytes`.
+        """
+        return self._hasher.keys_of_hashes(list(hashes), salt)
+
+    async def lookup_keys(self, keys: Any) -> int:
+        """Return how many leading `keys` (a chain, prefix first) some tier holds.
+
+        The key-level form of `lookup`, with the same semantics and stats.
+
+        Raises:
+            InvalidInputError: a key is not 16 bytes.
+        """
+        self._ensure_open()
+        keys = _check_keys(keys)
+        num_chunks = await self._mover.lookup(keys)
+        size = self.layout.chunk_size
+        self._counts["lookups"] += 1
+        self._counts["lookup_tokens"] += len(keys) * size
+        self._counts["hit_tokens"] += num_chunks * size
+        return num_chunks
+
+    async def get_chunks(
+        self, keys: Any, dsts: Any, *, parent: ChunkKey | None = None
+    ) -> list[bool]:
+        """Fill `dsts[i]` with the chunk of `keys[i]` wherever some tier holds it.
+
+        The keys need not be a prefix; each is served from the highest tier holding it and
+        lower-tier hits are promoted, as in `load`. Entries that fail their checksum are
+        misses. A destination is left untouched where its result is `False`.
+
+        Args:
+            keys: chunk keys (`chunk_keys` or `keys`).
+            dsts: one tensor per key, of the layout's dtype and `kv_shape(chunk_size)` (a
+                permuted view of an engine's host pool is fine); host tensors are filled by
+                the tiers directly.
+            parent: the key of the chunk before `keys[0]` in its chain, if any.
+
+        Returns:
+            Per key, whether its chunk was delivered.
+
+        Raises:
+            InvalidInputError: a key is not 16 bytes.
+            LayoutMismatch: a destination has the wrong dtype or shape, or the counts differ.
+        """
+        self._ensure_open()
+        start = time.perf_counter()
+        keys = _check_keys(keys)
+        tensors = check_chunks(self.layout, dsts, len(keys), "dsts")
+        found = await self._mover.gather(keys, ChunkSink(self.layout, tensors))
+        if parent is not None and keys:
+            self._index.attach(keys[0], parent)
+        loaded = sum(found)
+        self._counts["loads"] += 1
+        self._counts["loaded_tokens"] += loaded * self.layout.chunk_size
+        self._counts["loaded_bytes"] += loaded * self.layout.chunk_bytes
+        self._counts["load_seconds"] += time.perf_counter() - start
+        return found
+
+    async def put_chunks(
+        self, keys: Any, srcs: Any, *, parent: ChunkKey | None = None
+    ) -> list[bool]:
+        """Cache the chunk `srcs[i]` under `keys[i]`, as `store` does for token chunks.
+
+        `keys` is a piece of a chain in prefix order; `parent`, the key of the chunk
+        before `keys[0]`, links the piece to its prefix so eviction stays leaf-first.
+
+        Returns:
+            Per key, whether a tier holds it now.
+
+        Raises:
+            InvalidInputError: a key is not 16 bytes.
+            LayoutMismatch: a source has the wrong dtype or shape, or the counts differ.
+        """
+        self._ensure_open()
+        keys = _check_keys(keys)
+        tensors = check_chunks(self.layout, srcs, len(keys), "srcs")
+        new_chunks = await self._mover.store(keys, ChunkSource(self.layout, tensors)) if keys else 0
+        if parent is not None and keys:
+            self._index.attach(keys[0], parent)
+        self._counts["stores"] += 1
+        self._counts["stored_tokens"] += new_chunks * self.layout.chunk_size
+        return self._mover.held(keys)
+
+    async def clear(self) -> int:
+        """Remove every chunk this cache knows of from every tier.
+
+        Chunks that only other processes stored in a shared tier are not known here and
+        stay. Waits for queued write-through copies first.
+
+        Returns:
+            Residencies removed (a chunk held by two tiers counts twice).
+        """
+        self._ensure_open()
+        return await self._mover.clear()
+
     async def flush(self) -> None:
         """Wait until every chunk queued for a write-through tier is written."""
         self._ensure_open()
@@ -390,6 +502,16 @@ class TieredCache:
     def pin_count(self) -> int:
         """Return the pins held on memory-tier blocks now (zero when idle)."""
         return sum(slot.tier.total_pins for slot in self._slots if isinstance(slot.tier, BlockTier))
+
+
+def _check_keys(keys: Any) -> list[ChunkKey]:
+    if isinstance(keys, bytes | str) or not hasattr(keys, "__iter__"):
+        raise InvalidInputError("keys: expected a sequence of 16-byte chunk keys")
+    out = list(keys)
+    for i, key in enumerate(out):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise InvalidInputError(f"keys[{i}]: expected {KEY_BYTES} bytes, got {key!r:.40}")
+    return out
 
 
 def _build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) -> list[Slot]:

@@ -124,6 +124,32 @@ class PrefixIndex:
         self._prune(node)
         return True
 
+    def attach(self, key: ChunkKey, parent: ChunkKey) -> bool:
+        """Make `parent` the parent of `key`, where `key` was indexed without one.
+
+        For chains indexed in pieces (an engine that hashes its own pages stores a
+        continuation without repeating its prefix): the link keeps leaf-first eviction
+        exact across the pieces.
+
+        Returns:
+            Whether the link was made (both known, `key` parentless, no cycle).
+        """
+        node = self._nodes.get(key)
+        up = self._nodes.get(parent)
+        if node is None or up is None or node.parent is not None:
+            return False
+        ancestor: _Node | None = up
+        while ancestor is not None:
+            if ancestor is node:
+                return False
+            ancestor = ancestor.parent
+        node.parent = up
+        up.num_children += 1
+        for tier in range(self.num_tiers):
+            if node.tiers >> tier & 1:
+                up.child_tiers[tier] += 1
+        return True
+
     def is_leaf(self, key: ChunkKey, tier: int) -> bool:
         """Return whether no child of `key` is resident in `tier`."""
         node = self._nodes.get(key)

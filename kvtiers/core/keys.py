@@ -118,6 +118,34 @@ class ChunkHasher:
             append(prev)
         return out  # type: ignore[return-value]  # NOTE: ChunkKey is bytes at run time
 
+    def keys_of_hashes(
+        self, hashes: Sequence[str | bytes], salt: str | bytes | None = None
+    ) -> list[ChunkKey]:
+        """Return the chunk keys of an engine's own chunk hashes, in the same order.
+
+        For engines that hash their pages themselves (SGLang's page hashes): each hash is
+        taken under this layout's fingerprint and `salt`, so hashes of another model, shard
+        or tenant never map to the same key. The engine's hashes must already be chained
+        (a hash fixes its whole prefix); nothing here chains them again.
+
+        Raises:
+            TokenError: a hash is neither `str` nor `bytes`, or is empty.
+        """
+        root = self.root(salt) + b"\x03"  # NOTE: a tag keeps these apart from token chains
+        digest = xxhash.xxh3_128_digest
+        out: list[bytes] = []
+        for i, h in enumerate(hashes):
+            if isinstance(h, str):
+                raw = h.encode("utf-8")
+            elif isinstance(h, bytes | bytearray | memoryview):
+                raw = bytes(h)
+            else:
+                raise TokenError(f"hashes[{i}]: expected str or bytes, got {type(h).__name__}")
+            if not raw:
+                raise TokenError(f"hashes[{i}]: empty")
+            out.append(digest(root + raw))
+        return out  # type: ignore[return-value]  # NOTE: ChunkKey is bytes at run time
+
 
 def _salt_bytes(salt: str | bytes | None) -> bytes:
     # NOTE: a one-byte type tag keeps salt None, "" and b"" apart.

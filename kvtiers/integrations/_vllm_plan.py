@@ -6,11 +6,8 @@ the worker processes), so it is made of plain values.
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -25,7 +22,6 @@ __all__ = [
     "SaveSpec",
     "StepPlan",
     "chunk_size_for",
-    "config_identity",
     "tokens_of",
     "tokens_to_bytes",
 ]
@@ -137,13 +133,6 @@ def chunk_size_for(block_size: int, requested: int | None) -> int:
     if _PREFERRED_CHUNK % block_size == 0:
         return _PREFERRED_CHUNK
     return block_size * max(1, round(_PREFERRED_CHUNK / block_size))
-
-
-def config_identity(source: str | Mapping[str, Any]) -> Hashable:
-    """Return a key that is equal for two spellings of one kvtiers config."""
-    if isinstance(source, str | os.PathLike):
-        return ("path", str(Path(source).expanduser().resolve()))
-    return ("inline", json.dumps(source, sort_keys=True, default=str))
 
 
 def tokens_to_bytes(tokens: Any) -> bytes:

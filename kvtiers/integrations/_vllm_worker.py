@@ -24,6 +24,7 @@ import torch
 
 from kvtiers._tensors import torch_dtype
 from kvtiers.core.layout import KVLayout
+from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
@@ -32,7 +33,6 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     tokens_of,
 )
-from kvtiers.integrations._vllm_runtime import SharedCache
 
 __all__ = ["WorkerSide", "layer_order"]
 

@@ -34,15 +34,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtiers.cache import TieredCache
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
+from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_kv import detect_layout
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
     StepPlan,
     chunk_size_for,
-    config_identity,
 )
-from kvtiers.integrations._vllm_runtime import CACHES, LoopThread, SharedCache
 from kvtiers.integrations._vllm_scheduler import Lookup, SchedulerSide
 from kvtiers.integrations._vllm_worker import WorkerSide
 

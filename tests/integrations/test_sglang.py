@@ -1,0 +1,95 @@
+"""The SGLang storage backend against SGLang's real host pools (its own virtualenv).
+
+The SGLang server cannot run on a CPU-only machine (it needs a CPU build of sgl-kernel),
+but its storage layer can: each scenario builds real `MHATokenToKVPool`/`MLATokenToKVPool`
+host pools on the CPU and creates the backend through SGLang's `StorageBackendFactory`,
+in a subprocess with SGLang's python (see `sglang_scenarios.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.conftest import HERE
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = [
+    ("mha", "layer_first"),
+    ("mha", "page_first"),
+    ("mha", "page_first_direct"),
+    ("mha", "page_head"),
+    ("mla", "layer_first"),
+    ("mla", "page_first"),
+    ("mla", "page_first_direct"),
+]
+
+
+def run(python: Path, *args: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [str(python), str(HERE / "sglang_scenarios.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+@pytest.fixture(scope="module")
+def roundtrips(sglang_python, tmp_path_factory) -> dict[str, Any]:
+    """Every layout's round trip, in one SGLang process."""
+    pairs = [part for pair in LAYOUTS for part in pair]
+    return run(sglang_python, "roundtrip", str(tmp_path_factory.mktemp("sglang")), *pairs)
+
+
+@pytest.mark.parametrize(("kind", "layout"), LAYOUTS, ids=[f"{k}-{lay}" for k, lay in LAYOUTS])
+def test_pages_round_trip_by_every_path(roundtrips, kind, layout):
+    out = roundtrips[f"{kind}-{layout}"]
+    assert out["set_v1"] == out["get_v1"] == [True] * 4
+    assert out["v1_exact"]
+    assert out["payload_order"]  # stored in kvtiers' order, whatever the host layout
+    assert out["set_v2"] == out["get_v2"] == [True] * 4
+    assert out["v2_exact"]
+    assert out["set_generic"] and out["get_generic"] == [True] * 4
+    assert out["generic_exact"]
+    assert out["exists_all"] == 4
+    assert out["exists_gap"] == 2  # consecutive hits from the start only
+    assert out["exists_v2"] == 4 and out["exists_one"] is True
+    assert out["get_missing"] == [False] and out["missing_untouched"]
+    assert out["metrics_pages"] == [8, 8]
+    assert out["failures"] == {}
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout", "tiers"),
+    [("mha", "page_first", "local"), ("mla", "layer_first", "remote")],
+    ids=["mha-lmdb", "mla-file-remote"],
+)
+def test_another_server_finds_and_loads_the_pages(sglang_python, tmp_path, kind, layout, tiers):
+    stored = run(sglang_python, "store", str(tmp_path), kind, layout, tiers)
+    assert stored["set"] == [True] * 12
+    loaded = run(sglang_python, "load", str(tmp_path), kind, layout, tiers)
+    assert loaded["exists"] == 12
+    assert loaded["get"] == [True] * 12
+    assert loaded["exact"]
+
+
+def test_failures_are_misses_never_exceptions(sglang_python, tmp_path):
+    out = run(sglang_python, "faults", str(tmp_path))
+    assert out["unregistered"] == [0, [False, False], [False, False], [None]]
+    assert out["set"] == [True] * 4
+    assert out["short_indices"] == [False] * 4
+    assert out["bad_target"] == [None]
+    assert out["objects_corrupted"] == 4
+    assert out["get_corrupt"] == [False] * 4  # garbage is never served
+    assert out["exists_after"] == 0
+    assert out["corrupt_left"] == 0  # corrupt objects are deleted when found
+    assert out["get_gone"] == [False] * 4
