@@ -124,8 +124,18 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> CacheConf
     Raises:
         ConfigError: the file cannot be read or parsed, or a field is invalid.
     """
-    data = source if isinstance(source, Mapping) else _read_file(Path(source))
-    return _parse(data)
+    if isinstance(source, Mapping):
+        return _parse(source)
+    if not isinstance(source, str | os.PathLike):
+        raise ConfigError(
+            f"config: expected a path to a TOML or YAML file, or a table; "
+            f"got {type(source).__name__}"
+        )
+    try:
+        path = Path(source)
+    except TypeError as exc:  # a PathLike of bytes
+        raise ConfigError(f"config: expected a text path, got {source!r:.60}") from exc
+    return _parse(_read_file(path))
 
 
 def _read_file(path: Path) -> Mapping[str, Any]:
@@ -135,6 +145,8 @@ def _read_file(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config: cannot read {path}: not UTF-8 ({exc})") from exc
+    except ValueError as exc:  # a NUL byte in the path
+        raise ConfigError(f"config: cannot read {str(path)!r:.200}: {exc}") from exc
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):

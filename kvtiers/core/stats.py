@@ -45,6 +45,8 @@ class TierCounters:
     """Entries that failed their checksum or header check (deleted, served as misses)."""
     foreign: int = 0
     """Entries of another layout or key found under a key (deleted, served as misses)."""
+    forged: int = 0
+    """Of `corrupt`, entries without a valid integrity tag (tiers with `integrity` on)."""
     errors: int = 0
     """Backend failures turned into misses or declined writes."""
 
@@ -72,6 +74,7 @@ class TierStats:
     demotions: int = 0
     corrupt: int = 0
     foreign: int = 0
+    forged: int = 0
     errors: int = 0
 
 

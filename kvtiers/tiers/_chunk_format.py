@@ -12,11 +12,21 @@ layer is one contiguous byte range after the header; with these digests a reader
 fetched only the header and some layers' ranges (the remote tier's `get_layers`) can still
 verify what it read. The lmdb tier writes six fields, the remote tier seven; a full read
 accepts both, since the whole-payload checksum covers every layer.
+
+A writer with an integrity key (`auth_key`) appends an eighth field, the HMAC-SHA256 tag of
+the value (the seventh field is then nil when there are no per-layer checksums). xxh3
+catches accidents, not attacks: anyone who can write the store can compute it for a forged
+payload. The tag binds the layout fingerprint, the key, the payload length, the per-layer
+checksums and the whole payload to a secret the writer holds, so a reader with the same
+key accepts only values written by a holder of it (`Verdict.FORGED` otherwise). A reader
+without a key ignores a tag: integrity is the reader's choice.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from typing import NamedTuple
 
@@ -31,6 +41,7 @@ __all__ = [
     "check_header",
     "check_layer",
     "check_value",
+    "compute_tag",
     "header_bytes",
     "pack_value",
     "peek_header",
@@ -48,6 +59,9 @@ _PREFIX = struct.Struct("<H")
 _DIGEST = 8  # bytes of one xxh3_64 digest
 _BASE_FIELDS = 6  # without per-layer checksums
 _LAYER_FIELDS = 7  # with them
+_TAGGED_FIELDS = 8  # with an integrity tag (the seventh field may then be nil)
+_TAG = 32  # bytes of one HMAC-SHA256 tag
+_TAG_DOMAIN = b"kvtiers-chunk-v1"  # tags of other uses of one key never match
 
 
 class Verdict(enum.Enum):
@@ -56,6 +70,7 @@ class Verdict(enum.Enum):
     OK = 1  # ours and intact: the payload may be used
     CORRUPT = 2  # unreadable header, wrong length or checksum
     FOREIGN = 3  # intact, but of another layout, key or format version
+    FORGED = 4  # intact by its checksum, but without a valid integrity tag (key given)
 
 
 class Header(NamedTuple):
@@ -68,6 +83,8 @@ class Header(NamedTuple):
     """xxh3_64 digests of each layer's slice, back to back; `None` in a six-field header."""
     payload_offset: int
     """Where the payload starts in the stored value."""
+    tag: bytes | None = None
+    """HMAC-SHA256 tag of the value; `None` when the writer had no integrity key."""
 
 
 def _layer_digests(view: memoryview, num_layers: int) -> bytes:
@@ -78,16 +95,44 @@ def _layer_digests(view: memoryview, num_layers: int) -> bytes:
 
 
 def _header(
-    fingerprint: bytes, key: bytes, payload_len: int, checksum: bytes, layers: bytes | None
+    fingerprint: bytes,
+    key: bytes,
+    payload_len: int,
+    checksum: bytes,
+    layers: bytes | None,
+    tag: bytes | None = None,
 ) -> bytes:
     fields: list[object] = [MAGIC, FORMAT_VERSION, fingerprint, key, payload_len, checksum]
-    if layers is not None:
+    if layers is not None or tag is not None:
         fields.append(layers)
+    if tag is not None:
+        fields.append(tag)
     header: bytes = msgpack.packb(fields, use_bin_type=True)
     return _PREFIX.pack(len(header)) + header
 
 
-def pack_value(fingerprint: bytes, key: bytes, payload: Bytes, *, num_layers: int = 0) -> bytes:
+def compute_tag(
+    auth_key: bytes, fingerprint: bytes, key: bytes, layers: bytes | None, payload: Bytes
+) -> bytes:
+    """Return the HMAC-SHA256 tag of a value's identity and payload under `auth_key`."""
+    mac = hmac.new(auth_key, _TAG_DOMAIN, hashlib.sha256)
+    view = memoryview(payload).cast("B")
+    # Length-prefixed fields, so no two field sequences feed the MAC the same bytes.
+    for part in (fingerprint, key, layers or b"", struct.pack("<Q", view.nbytes)):
+        mac.update(struct.pack("<I", len(part)))
+        mac.update(part)
+    mac.update(view)
+    return mac.digest()
+
+
+def pack_value(
+    fingerprint: bytes,
+    key: bytes,
+    payload: Bytes,
+    *,
+    num_layers: int = 0,
+    auth_key: bytes | None = None,
+) -> bytes:
     """Return the stored value of `payload` under `key`.
 
     Args:
@@ -96,25 +141,36 @@ def pack_value(fingerprint: bytes, key: bytes, payload: Bytes, *, num_layers: in
         payload: the chunk's bytes, C-contiguous.
         num_layers: when > 0, also store the checksum of each of this many equal slices
             (layers), so that a reader of only some layers can verify them.
+        auth_key: when given, also store the value's HMAC-SHA256 tag under this secret.
 
     Returns:
         The header-prefixed value, built with one copy of the payload.
     """
     view = memoryview(payload).cast("B")
     layers = _layer_digests(view, num_layers) if num_layers > 0 else None
-    head = _header(fingerprint, key, view.nbytes, xxhash.xxh3_64_digest(view), layers)
+    tag = None if auth_key is None else compute_tag(auth_key, fingerprint, key, layers, view)
+    head = _header(fingerprint, key, view.nbytes, xxhash.xxh3_64_digest(view), layers, tag)
     return b"".join((head, view))
 
 
-def header_bytes(fingerprint: bytes, payload_len: int, *, num_layers: int = 0) -> int:
-    """Return the size of the header (length prefix included) of a stored value."""
+def header_bytes(
+    fingerprint: bytes, payload_len: int, *, num_layers: int = 0, tagged: bool = False
+) -> int:
+    """Return the size of the header (length prefix included) of a stored value.
+
+    `tagged`: whether the value carries an integrity tag (written with an `auth_key`).
+    """
     layers = bytes(_DIGEST * num_layers) if num_layers > 0 else None
-    return len(_header(fingerprint, bytes(16), payload_len, bytes(_DIGEST), layers))
+    tag = bytes(_TAG) if tagged else None
+    return len(_header(fingerprint, bytes(16), payload_len, bytes(_DIGEST), layers, tag))
 
 
-def value_bytes(fingerprint: bytes, payload_len: int, *, num_layers: int = 0) -> int:
+def value_bytes(
+    fingerprint: bytes, payload_len: int, *, num_layers: int = 0, tagged: bool = False
+) -> int:
     """Return the size of a stored value holding `payload_len` payload bytes."""
-    return header_bytes(fingerprint, payload_len, num_layers=num_layers) + payload_len
+    head = header_bytes(fingerprint, payload_len, num_layers=num_layers, tagged=tagged)
+    return head + payload_len
 
 
 def _parse(
@@ -133,22 +189,24 @@ def _parse(
         return Verdict.CORRUPT, None
     if (
         not isinstance(fields, list)
-        or len(fields) not in (_BASE_FIELDS, _LAYER_FIELDS)
+        or len(fields) not in (_BASE_FIELDS, _LAYER_FIELDS, _TAGGED_FIELDS)
         or fields[0] != MAGIC
     ):
         return Verdict.CORRUPT, None
     version, stored_fingerprint, stored_key, stored_len, checksum = fields[1:_BASE_FIELDS]
     if version != FORMAT_VERSION or stored_fingerprint != fingerprint or stored_key != key:
         return Verdict.FOREIGN, None
-    layers = fields[_BASE_FIELDS] if len(fields) == _LAYER_FIELDS else None
+    layers = fields[_BASE_FIELDS] if len(fields) > _BASE_FIELDS else None
+    tag = fields[_LAYER_FIELDS] if len(fields) == _TAGGED_FIELDS else None
     if (
         stored_len != payload_len
         or not isinstance(checksum, bytes)
         or len(checksum) != _DIGEST
         or not _valid_layers(layers, payload_len)
+        or (len(fields) == _TAGGED_FIELDS and (not isinstance(tag, bytes) or len(tag) != _TAG))
     ):
         return Verdict.CORRUPT, None
-    return Verdict.OK, Header(stored_len, checksum, layers, end)
+    return Verdict.OK, Header(stored_len, checksum, layers, end, tag)
 
 
 def _valid_layers(layers: object, payload_len: int) -> bool:
@@ -185,7 +243,12 @@ def peek_header(raw: Bytes) -> tuple[bytes, int] | None:
 
 
 def check_value(
-    raw: Bytes, *, fingerprint: bytes, key: bytes, payload_len: int
+    raw: Bytes,
+    *,
+    fingerprint: bytes,
+    key: bytes,
+    payload_len: int,
+    auth_key: bytes | None = None,
 ) -> tuple[Verdict, memoryview | None]:
     """Parse and verify a stored value without copying its payload.
 
@@ -194,9 +257,13 @@ def check_value(
         fingerprint: the layout fingerprint the reader expects.
         key: the key the value was read under.
         payload_len: the payload size the reader expects.
+        auth_key: when given, the value must carry a valid integrity tag under this
+            secret; one without (untagged, or tagged under another key) is
+            `Verdict.FORGED`.
 
     Returns:
-        The verdict, and for `Verdict.OK` a view of the payload whose checksum matched.
+        The verdict, and for `Verdict.OK` a view of the payload whose checksum (and tag)
+        matched.
     """
     view = memoryview(raw).cast("B")
     verdict, header = _parse(view, fingerprint=fingerprint, key=key, payload_len=payload_len)
@@ -205,6 +272,12 @@ def check_value(
     payload = view[header.payload_offset :]
     if payload.nbytes != payload_len or xxhash.xxh3_64_digest(payload) != header.checksum:
         return Verdict.CORRUPT, None
+    if auth_key is not None:
+        if header.tag is None:
+            return Verdict.FORGED, None
+        want = compute_tag(auth_key, fingerprint, key, header.layer_checksums, payload)
+        if not hmac.compare_digest(want, header.tag):
+            return Verdict.FORGED, None
     return Verdict.OK, payload
 
 

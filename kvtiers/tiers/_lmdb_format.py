@@ -4,7 +4,8 @@ The environment holds four named databases (see `Databases`); `Writer` keeps the
 within one write transaction: sizes in `meta`, recency in `lru` and `seqs`.
 
 A value is a chunk in the format of `kvtiers.tiers._chunk_format` (shared with the remote
-tier), written with six header fields (no per-layer checksums).
+tier), written with six header fields (no per-layer checksums), or eight with an integrity
+tag (`integrity = "hmac-sha256"`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "Writer",
     "check_value",
     "default_map_size",
+    "map_capacity",
     "open_databases",
     "pack_value",
     "read_used_bytes",
@@ -52,6 +54,18 @@ def default_map_size(capacity_bytes: int, value_len: int) -> int:
     per_value = math.ceil((value_len + 16) / _PAGE) * _PAGE + 256
     size = int(capacity_bytes // value_len * per_value * 1.25) + 64 * 2**20
     return -(-size // 2**20) * 2**20
+
+
+def map_capacity(map_size: int, value_len: int) -> int:
+    """Return the bytes of `value_len` values a map of `map_size` bytes holds safely.
+
+    The inverse of `default_map_size`: a map given explicitly may be smaller than the
+    capacity, and a map that fills up fails even deletes (they need free pages too), so
+    the tier evicts by this limit instead. Small maps keep half their size in reserve.
+    """
+    per_value = math.ceil((value_len + 16) / _PAGE) * _PAGE + 256
+    usable = map_size - min(64 * 2**20, map_size // 2)
+    return int(usable / 1.25) // per_value * value_len
 
 
 class Databases(NamedTuple):
@@ -129,7 +143,14 @@ class Writer:
             self.txn.delete(key, db=self.dbs.seqs)
         return size is not None
 
-    def discard(self, keys: Sequence[bytes], fingerprint: bytes, payload_len: int) -> list[Verdict]:
+    def discard(
+        self,
+        keys: Sequence[bytes],
+        fingerprint: bytes,
+        payload_len: int,
+        *,
+        auth_key: bytes | None = None,
+    ) -> list[Verdict]:
         """Remove the entries under `keys` that fail `check_value`.
 
         Returns:
@@ -140,7 +161,11 @@ class Writer:
             raw = self.txn.get(key, db=self.dbs.chunks)
             if raw is not None:
                 verdict, _ = check_value(
-                    raw, fingerprint=fingerprint, key=key, payload_len=payload_len
+                    raw,
+                    fingerprint=fingerprint,
+                    key=key,
+                    payload_len=payload_len,
+                    auth_key=auth_key,
                 )
                 if verdict is not Verdict.OK:
                     verdicts.append(verdict)

@@ -14,7 +14,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["BreakerState", "CircuitBreaker", "IOCounters", "StoreUnavailable", "gather_all"]
+__all__ = [
+    "BreakerState",
+    "CircuitBreaker",
+    "IOCounters",
+    "StoreFull",
+    "StoreUnavailable",
+    "gather_all",
+]
 
 _T = TypeVar("_T")
 
@@ -38,6 +45,10 @@ async def gather_all(aws: Iterable[Awaitable[_T]]) -> list[_T]:
 
 class StoreUnavailable(Exception):
     """A request was refused by the open breaker, or failed after its retries."""
+
+
+class StoreFull(StoreUnavailable):
+    """The store refused a write for lack of space (ENOSPC, EDQUOT): reachable, but full."""
 
 
 class BreakerState(enum.Enum):
@@ -126,3 +137,5 @@ class IOCounters:
     """Requests refused at once because the breaker was open."""
     dropped_writes: int = 0
     """Chunks `put` dropped because the store was unavailable."""
+    full: int = 0
+    """Writes the store refused for lack of space (not retried; the breaker stays closed)."""

@@ -23,7 +23,9 @@ import errno
 import functools
 import inspect
 import logging
+import math
 import random
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -32,10 +34,12 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from kvtiers.core.errors import ConfigError, TierIOError
+from kvtiers.tiers._files import write_renamed
 from kvtiers.tiers._remote_breaker import (
     BreakerState,
     CircuitBreaker,
     IOCounters,
+    StoreFull,
     StoreUnavailable,
 )
 from kvtiers.tiers._remote_options import Redactor, RemoteOptions, display_url
@@ -51,6 +55,8 @@ _BACKOFF_CAP = 2.0
 # filesystem commits a file on close). Others write a temporary name and rename it.
 _ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
 _S3 = frozenset({"s3", "s3a"})
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})  # answers, not failures: never retried
+_REWARN_FULL = 300.0  # seconds between two warnings that the store is full
 # Errors that are bugs (ours or a backend's), never a store being unreachable.
 _BUGS = (TypeError, AttributeError, NotImplementedError, AssertionError)
 
@@ -71,6 +77,9 @@ class ObjectStore:
         self.atomic_put = self.protocol in _ATOMIC_PUT
         self.breaker = CircuitBreaker(options.breaker_failures, options.breaker_cooldown)
         self.counters = IOCounters()
+        self.full = False
+        """Whether the last write was refused for lack of space."""
+        self._full_warned_at = -math.inf
         self.root = ""
         self._fs: Any = None
         self._async = False
@@ -159,6 +168,11 @@ class ObjectStore:
         return self.redact(" ".join(text.split()))[:300]
 
     @property
+    def read_timeout(self) -> float:
+        """Seconds one read call may wait in all (`RemoteOptions.read_timeout`)."""
+        return self.options.read_timeout or self.options.timeout
+
+    @property
     def is_object_store(self) -> bool:
         """Whether requests go over the network (an async filesystem: s3fs, gcsfs...)."""
         return self._async
@@ -229,10 +243,25 @@ class ObjectStore:
         `on_success` runs once the object is stored, also if the caller was cancelled
         meanwhile (a started write is finished, not abandoned).
         """
-        if self.atomic_put:
-            await self._request("pipe_file", path, data, on_success=on_success)
-        else:
-            await self._request(_write_renamed, path, data, on_success=on_success)
+        method = "pipe_file" if self.atomic_put else write_renamed
+        try:
+            await self._request(method, path, data, on_success=on_success)
+        except StoreFull as exc:
+            now = time.monotonic()
+            # once per episode, not per chunk; a nearly full store starts no new one at once
+            warn = not self.full and now - self._full_warned_at >= _REWARN_FULL
+            self.full = True
+            if warn:
+                self._full_warned_at = now
+                logger.warning(
+                    "kvtiers: remote tier %r: %s; writes are declined until it has room",
+                    self.name,
+                    exc,
+                )
+            raise
+        if self.full:
+            self.full = False
+            logger.debug("kvtiers: remote tier %r: %s takes writes again", self.name, self.url)
 
     async def rm(self, path: str) -> None:
         """Delete the object at `path`; a missing one is fine."""
@@ -291,6 +320,10 @@ class ObjectStore:
                 if isinstance(exc, FileNotFoundError) or (answer is not None and answer(exc)):
                     self._succeeded()
                     raise
+                if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+                    self._succeeded()  # an answer: the store is reachable, only full
+                    self.counters.full += 1
+                    raise StoreFull(f"{self.url}: {self.describe(exc)}") from None
                 self._failed(exc)
                 if (
                     attempt >= retries
@@ -383,16 +416,3 @@ async def _s3_head(fs: Any, path: str) -> dict[str, Any]:
     bucket, key, _ = fs.split_path(path)
     out = await fs._call_s3("head_object", Bucket=bucket, Key=key)
     return {"name": path, "size": int(out["ContentLength"]), "type": "file"}
-
-
-def _write_renamed(fs: Any, path: str, data: bytes) -> None:
-    """Write `data` under a temporary name beside `path`, then rename it (one atomic step)."""
-    parent, _, base = path.rpartition("/")
-    tmp = f"{parent}/.{base}.{random.getrandbits(64):016x}.tmp"
-    try:
-        fs.pipe_file(tmp, data)
-        fs.mv(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            fs.rm_file(tmp)
-        raise

@@ -13,6 +13,8 @@ from typing import Any
 
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError
+from kvtiers.tiers._files import check_path
+from kvtiers.tiers._integrity import OPTION_NAMES as INTEGRITY_OPTIONS
 from kvtiers.tiers.base import check_option_keys
 
 __all__ = ["RemoteOptions", "Redactor", "display_url"]
@@ -21,12 +23,14 @@ _OPTIONS = (
     "breaker_cooldown",
     "breaker_failures",
     "max_in_flight",
+    "read_timeout",
     "retries",
     "scan_interval",
     "storage_options",
     "timeout",
     "ttl",
     "url",
+    *INTEGRITY_OPTIONS,
 )
 # Option names whose values are credentials; matched as whole words of a snake-case name.
 _SECRET_WORDS = frozenset(
@@ -48,6 +52,9 @@ class RemoteOptions:
     """Object requests in flight at once, over all of the tier's calls."""
     timeout: float = 10.0
     """Seconds one request may take before it counts as failed."""
+    read_timeout: float | None = None
+    """Seconds one read call (`contains`, `get`, `get_layers`) may take in all, slot waits
+    and retries included; chunks not read by then are misses. `None`: `timeout`."""
     retries: int = 3
     """Retries of a failed request, with exponential backoff, before it is given up."""
     breaker_failures: int = 5
@@ -77,15 +84,20 @@ class RemoteOptions:
                 f"{where}.url: required; expected an fsspec URL such as 's3://bucket/prefix', "
                 f"got {url!r}"
             )
+        check_path(url.strip().split("://", 1)[-1], f"{where}.url")
         storage = raw.get("storage_options", {})
         if not isinstance(storage, Mapping) or not all(isinstance(k, str) for k in storage):
             raise ConfigError(f"{where}.storage_options: expected a table, got {storage!r:.60}")
         ttl = raw.get("ttl")
+        read_timeout = raw.get("read_timeout")
         return cls(
             url=url.strip(),
             storage_options=MappingProxyType(dict(storage)),
             max_in_flight=_int(raw, "max_in_flight", 16, 1, where),
             timeout=_seconds(raw, "timeout", 10.0, where),
+            read_timeout=(
+                None if read_timeout is None else _seconds(raw, "read_timeout", 0.0, where)
+            ),
             retries=_int(raw, "retries", 3, 0, where),
             breaker_failures=_int(raw, "breaker_failures", 5, 1, where),
             breaker_cooldown=_seconds(raw, "breaker_cooldown", 5.0, where),

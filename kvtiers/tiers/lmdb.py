@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -21,14 +22,27 @@ from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _lmdb_format as fmt
+from kvtiers.tiers._files import FILE_MODE, check_path, make_private_dirs
+from kvtiers.tiers._integrity import OPTION_NAMES as _INTEGRITY_OPTIONS
+from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._lmdb_format import Databases, Verdict, Writer
+from kvtiers.tiers._lmdb_health import WriteHealth
 from kvtiers.tiers.base import Buffer, Tier, check_option_keys
 
 __all__ = ["LMDBOptions", "LMDBTier"]
 
 _T = TypeVar("_T")
+logger = logging.getLogger("kvtiers")
 _MIB = 2**20
-_OPTIONS = ("map_size", "max_readers", "path", "read_threads", "readahead", "sync")
+_OPTIONS = (
+    "map_size",
+    "max_readers",
+    "path",
+    "read_threads",
+    "readahead",
+    "sync",
+    *_INTEGRITY_OPTIONS,
+)
 _MAX_TOUCHED = 4096  # touched keys held in memory before a read flushes them itself
 
 
@@ -69,6 +83,7 @@ class LMDBOptions:
         path = os.fspath(path) if isinstance(path, os.PathLike) else path
         if not isinstance(path, str) or not path:
             raise ConfigError(f"{where}.path: required; expected a directory path, got {path!r}")
+        check_path(path, f"{where}.path")
         map_size = raw.get("map_size")
         if map_size is not None:
             map_size = parse_size(map_size, where=f"{where}.map_size")
@@ -124,7 +139,10 @@ class LMDBTier(Tier):
         super().__init__(config, layout)
         self.options = LMDBOptions.from_config(config)
         self._fingerprint = layout.fingerprint
-        self._value_len = fmt.value_bytes(self._fingerprint, layout.chunk_bytes)
+        self._auth_key = auth_key_from_config(config)
+        self._value_len = fmt.value_bytes(
+            self._fingerprint, layout.chunk_bytes, tagged=self._auth_key is not None
+        )
         if self.capacity_bytes < self._value_len:
             raise ConfigError(
                 f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
@@ -139,6 +157,9 @@ class LMDBTier(Tier):
         self._lock = threading.Lock()  # guards counters and _touched across the pool's threads
         self._touched: list[list[ChunkKey]] = []  # hit batches, flushed by the next write
         self._last_usage = TierUsage(self.capacity_bytes, 0, 0)  # reported while not open
+        self._limit = min(self.capacity_bytes, fmt.map_capacity(self.map_size, self._value_len))
+        """Bytes of values held at most: the capacity, or less where the map is smaller."""
+        self._health = WriteHealth(self.name, self.options.path)
 
     async def _open(self) -> None:
         # docstring inherited
@@ -157,9 +178,10 @@ class LMDBTier(Tier):
     def _open_env(self) -> tuple[lmdb.Environment, Databases]:
         path, env = self.options.path, None
         try:
-            os.makedirs(path, exist_ok=True)
+            make_private_dirs(path)
             env = lmdb.open(
                 path,
+                mode=FILE_MODE,
                 map_size=self.map_size,
                 subdir=True,
                 max_dbs=4,
@@ -195,8 +217,12 @@ class LMDBTier(Tier):
         try:
             if self._touched:  # recency that reads recorded since the last write
                 self._write(lambda w: None, threading.Event())
-        except lmdb.Error as exc:
-            raise TierIOError(f"{self.name}: lmdb at {self.options.path!r}: {exc}") from exc
+        except lmdb.Error as exc:  # a full or failing disk: recency is only a hint
+            logger.warning(
+                "kvtiers: lmdb tier %r: recency of recent reads not saved at close: %s",
+                self.name,
+                exc,
+            )
         finally:
             if self._env is not None:
                 with contextlib.suppress(lmdb.Error):
@@ -243,7 +269,7 @@ class LMDBTier(Tier):
         committed = False
         txn = env.begin(write=True, buffers=True)
         try:
-            writer = Writer(txn, dbs, self.capacity_bytes)
+            writer = Writer(txn, dbs, self._limit)
             for batch in touched:
                 writer.touch([key for key in batch if writer.size(key) is not None])
             result = fn(writer)
@@ -290,7 +316,11 @@ class LMDBTier(Tier):
                 self._touched.append(touched)
                 flush = sum(map(len, self._touched)) >= _MAX_TOUCHED
             if flush:
-                await self._run([functools.partial(self._write, lambda w: None)])
+                try:
+                    await self._run([functools.partial(self._write, lambda w: None)])
+                except TierIOError:  # a full or failing disk: recency is only a hint
+                    with self._lock:
+                        self._touched.clear()
         return hits
 
     def _read(
@@ -305,7 +335,11 @@ class LMDBTier(Tier):
                 if raw is None:
                     continue
                 verdict, payload = fmt.check_value(
-                    raw, fingerprint=self._fingerprint, key=key, payload_len=chunk_bytes
+                    raw,
+                    fingerprint=self._fingerprint,
+                    key=key,
+                    payload_len=chunk_bytes,
+                    auth_key=self._auth_key,
                 )
                 if payload is not None:  # verified before a byte reaches the destination
                     dst = dsts[i]
@@ -324,9 +358,13 @@ class LMDBTier(Tier):
 
     def _discard(self, keys: Sequence[ChunkKey], writer: Writer) -> None:
         """Delete the entries under `keys` that still fail their check."""
-        verdicts = writer.discard(keys, self._fingerprint, self.layout.chunk_bytes)
+        verdicts = writer.discard(
+            keys, self._fingerprint, self.layout.chunk_bytes, auth_key=self._auth_key
+        )
+        forged = verdicts.count(Verdict.FORGED)
         with self._lock:
-            self.counters.corrupt += verdicts.count(Verdict.CORRUPT)
+            self.counters.corrupt += verdicts.count(Verdict.CORRUPT) + forged
+            self.counters.forged += forged
             self.counters.foreign += verdicts.count(Verdict.FOREIGN)
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
@@ -348,19 +386,29 @@ class LMDBTier(Tier):
             # NOTE: the map filled up before the capacity: free twice the batch's size, then
             # retry once. LMDB reuses the pages a transaction frees only two commits later
             # (it keeps the last two snapshots), hence the eviction's own commit and one more.
+            # A map that fills up at all is smaller than the capacity assumes (another
+            # process may share it with a larger capacity): hold less from now on.
+            self._map_full()
             need = 2 * len(keys) * self._value_len
-            self._write(lambda w: w.evict(need, set(keys), limit=w.used), cancel)
-            self._write(lambda w: None, cancel)
             try:
+                # NOTE: even deletes need free pages (copy-on-write), so these can fail too.
+                self._write(lambda w: w.evict(need, set(keys), limit=w.used), cancel)
+                self._write(lambda w: None, cancel)
                 done = self._write(plan, cancel)
             except lmdb.MapFullError:
                 present = self._contains(keys, cancel)
                 with self._lock:
                     self.counters.declined += present.count(False)
                 return present
+            except lmdb.Error as exc:
+                return self._write_failed(keys, exc, cancel)
+        except lmdb.Error as exc:
+            return self._write_failed(keys, exc, cancel)
         if done is None:  # cancelled: nothing was written, and the caller is gone
             return [False] * len(keys)
         held, num_new, num_declined = done
+        if num_new:
+            self._health.stored()
         with self._lock:
             self.counters.puts += num_new
             self.counters.bytes_written += num_new * self.layout.chunk_bytes
@@ -383,7 +431,7 @@ class LMDBTier(Tier):
             size = writer.size(key)
             if size is None:
                 # NOTE: once a chunk does not fit, no deeper chunk is stored without it.
-                full = full or held + self._value_len > self.capacity_bytes
+                full = full or held + self._value_len > self._limit
                 if full:
                     continue
                 new.append(key)
@@ -391,13 +439,34 @@ class LMDBTier(Tier):
             kept.append(key)
             held += size
         writer.evict(len(new) * self._value_len, keep=set(kept))
-        while new and writer.used + len(new) * self._value_len > self.capacity_bytes:
+        while new and writer.used + len(new) * self._value_len > self._limit:
             kept.remove(new.pop())  # what is left is held by this batch or unaccounted
         for new_key in new:
             src = np.ascontiguousarray(srcs_by_key[ChunkKey(new_key)]).reshape(-1)
-            writer.insert(new_key, fmt.pack_value(self._fingerprint, new_key, src.data))
+            value = fmt.pack_value(self._fingerprint, new_key, src.data, auth_key=self._auth_key)
+            writer.insert(new_key, value)
         writer.touch(kept)
         return set(kept), len(new), len(srcs_by_key) - len(kept)
+
+    def _write_failed(
+        self, keys: Sequence[ChunkKey], exc: lmdb.Error, cancel: threading.Event
+    ) -> list[bool]:
+        """Decline a batch whose write failed (a full or failing disk); reads go on."""
+        present = self._contains(keys, cancel)
+        with self._lock:
+            self.counters.errors += 1
+            self.counters.declined += present.count(False)
+        self._health.failed(exc)
+        return present
+
+    def _map_full(self) -> None:
+        """Lower the limit below what the map held when it filled up."""
+        env, dbs = self._handles()
+        with env.begin(buffers=True) as txn:
+            used = fmt.read_used_bytes(txn, dbs)
+        with self._lock:
+            self._limit = max(self._value_len, min(self._limit, used * 9 // 10))
+        self._health.map_full(self.map_size, self._limit)
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited

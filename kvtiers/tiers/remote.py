@@ -21,7 +21,9 @@ do safely, so each process writes only its own small access log.
 
 While the store fails, a circuit breaker (`_remote_breaker`, applied by `_remote_io`) turns
 every call into misses at once, and `put` drops its chunks (counted); nothing raises into
-the caller.
+the caller. While it is merely slow, a read call ends by `read_timeout` with misses for
+what has not arrived (`_remote_deadline`); a store out of space declines writes and goes
+on serving reads.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
+from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all
 from kvtiers.tiers._remote_catalog import (
     ACCESS_DIR,
@@ -57,8 +60,9 @@ from kvtiers.tiers._remote_catalog import (
     object_path,
     scan,
 )
+from kvtiers.tiers._remote_deadline import Stragglers
 from kvtiers.tiers._remote_io import ObjectStore
-from kvtiers.tiers._remote_layers import LayerPlan, write_layers
+from kvtiers.tiers._remote_layers import LayerPlan, Pieces, write_layers
 from kvtiers.tiers._remote_options import RemoteOptions
 from kvtiers.tiers.base import Buffer, Tier
 
@@ -98,8 +102,12 @@ class RemoteTier(Tier):
         self.options = RemoteOptions.from_config(config)
         ObjectStore.check_protocol(self.options.url, config.where)
         self._fingerprint = layout.fingerprint
+        self._auth_key = auth_key_from_config(config)
         self._header_len = fmt.header_bytes(
-            self._fingerprint, layout.chunk_bytes, num_layers=layout.num_layers
+            self._fingerprint,
+            layout.chunk_bytes,
+            num_layers=layout.num_layers,
+            tagged=self._auth_key is not None,
         )
         self.value_bytes = self._header_len + layout.chunk_bytes
         """Bytes of one stored object (header and payload)."""
@@ -118,6 +126,7 @@ class RemoteTier(Tier):
         self._write_lock = asyncio.Lock()  # one put batch or scan at a time: exact accounting
         self._put_slots = asyncio.Semaphore(self.options.max_in_flight)  # packed values held
         self._cpu: ThreadPoolExecutor | None = None
+        self._stragglers = Stragglers()  # reads a call stopped waiting for (read_timeout)
         self._next_scan = math.inf
 
     @property
@@ -143,6 +152,7 @@ class RemoteTier(Tier):
     async def _close(self) -> None:
         # docstring inherited
         try:
+            await self._stragglers.drain()
             if self._log.dirty and self._store.available:
                 await self._write_log()
         except StoreUnavailable as exc:  # the next scan of another process does without
@@ -162,7 +172,10 @@ class RemoteTier(Tier):
             return [False] * len(keys)
         if self._list_for_contains(len(keys)):
             return await self._contains_by_listing(keys)
-        infos = await gather_all(self._info(key) for key in keys)
+        infos, late = await self._stragglers.within(
+            self._store.read_timeout, [self._info(key) for key in keys], False
+        )
+        self.counters.errors += late
         now = self.clock()
         for key, info in zip(keys, infos, strict=True):
             if info is None:
@@ -214,17 +227,23 @@ class RemoteTier(Tier):
         if not keys or not self._store.available:
             self.counters.misses += len(keys)
             return [False] * len(keys)
+        deadline = time.monotonic() + self._store.read_timeout
+        raws, late = await self._stragglers.within(
+            self._store.read_timeout, [self._fetch(key) for key in keys], None
+        )
+        self.counters.errors += late
         found = await gather_all(
-            (self._get_one(key, dst) for key, dst in zip(keys, dsts, strict=True))
+            self._judge(key, raw, dst) for key, raw, dst in zip(keys, raws, dsts, strict=True)
         )
         hits = [verdict is Verdict.OK for verdict, _ in found]
-        await self._after_read(keys, found)
+        await self._after_read(keys, found, deadline)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
         return hits
 
-    async def _get_one(self, key: ChunkKey, dst: Buffer) -> tuple[Verdict | None, int]:
-        """Read one object into `dst`; return its verdict (`None`: no object) and size."""
-        raw = await self._fetch(key)
+    async def _judge(
+        self, key: ChunkKey, raw: bytes | None, dst: Buffer
+    ) -> tuple[Verdict | None, int]:
+        """Check one object read and copy it into `dst`; its verdict (`None`: none) and size."""
         if raw is None:
             return None, 0
         return await self._offload(self._check_and_copy, key, raw, dst), len(raw)
@@ -241,17 +260,21 @@ class RemoteTier(Tier):
         return raw
 
     def _check_and_copy(self, key: ChunkKey, raw: bytes, dst: Buffer) -> Verdict:
-        verdict, payload = fmt.check_value(
-            raw, fingerprint=self._fingerprint, key=key, payload_len=self.layout.chunk_bytes
-        )
+        verdict, payload = self._check(key, raw)
         if payload is not None:  # verified before a byte reaches the destination
             np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
         return verdict
 
     async def _after_read(
-        self, keys: Sequence[ChunkKey], found: Sequence[tuple[Verdict | None, int]]
+        self,
+        keys: Sequence[ChunkKey],
+        found: Sequence[tuple[Verdict | None, int]],
+        deadline: float = math.inf,
     ) -> None:
-        """Count a batch's reads, record its hits' recency, delete its bad objects."""
+        """Count a batch's reads, record its hits' recency, delete its bad objects.
+
+        The deletes are waited for until `deadline` (`time.monotonic()`), then left to run.
+        """
         now = self.clock()
         hit_keys, bad = [], []
         for key, (verdict, size) in zip(keys, found, strict=True):
@@ -261,14 +284,16 @@ class RemoteTier(Tier):
                     self._catalog.add(key, size, now)
             elif verdict is not None:
                 bad.append(key)
-                self.counters.corrupt += verdict is Verdict.CORRUPT
+                self.counters.corrupt += verdict in (Verdict.CORRUPT, Verdict.FORGED)
+                self.counters.forged += verdict is Verdict.FORGED
                 self.counters.foreign += verdict is Verdict.FOREIGN
         self.counters.hits += len(hit_keys)
         self.counters.misses += len(keys) - len(hit_keys)
         self._catalog.touch(hit_keys, now)
         self._log.record(hit_keys, now)
         if bad:
-            await self._delete_objects(bad)
+            budget = max(0.0, deadline - time.monotonic())
+            await self._stragglers.within(budget, [self._delete_objects(bad)], 0)
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -338,7 +363,11 @@ class RemoteTier(Tier):
     def _pack(self, key: ChunkKey, src: Buffer) -> bytes:
         payload = np.ascontiguousarray(src).reshape(-1)
         return fmt.pack_value(
-            self._fingerprint, key, payload.data, num_layers=self.layout.num_layers
+            self._fingerprint,
+            key,
+            payload.data,
+            num_layers=self.layout.num_layers,
+            auth_key=self._auth_key,
         )
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
@@ -397,41 +426,66 @@ class RemoteTier(Tier):
         if not keys or not self._store.available:
             self.counters.misses += len(keys)
             return [False] * len(keys)
-        found = await gather_all(
-            self._get_layers_one(k, plan, d) for k, d in zip(keys, dsts, strict=True)
+        deadline = time.monotonic() + self._store.read_timeout
+        got, late = await self._stragglers.within(
+            self._store.read_timeout, [self._read_layers(key, plan) for key in keys], None
         )
-        await self._after_read(keys, found)
+        self.counters.errors += late
+        found = await gather_all(
+            self._deliver_layers(k, g, plan, d) for k, g, d in zip(keys, got, dsts, strict=True)
+        )
+        await self._after_read(keys, found, deadline)
         hits = [verdict is Verdict.OK for verdict, _ in found]
         self.counters.bytes_read += sum(hits) * len(plan.layers) * self.layout.layer_bytes
         return hits
 
-    async def _get_layers_one(
-        self, key: ChunkKey, plan: LayerPlan, dst: Buffer
+    async def _read_layers(self, key: ChunkKey, plan: LayerPlan) -> Pieces | bytes | None:
+        """Read one object's layers of `plan`, verified, or else the whole object.
+
+        The whole object is read when the ranges do not verify (it is then judged as `get`
+        judges it) or when integrity is on (a tag covers the whole payload). `None`: no
+        object, or the store failed.
+        """
+        if self._auth_key is None:
+            try:
+                parts = await self._store.cat_ranges(
+                    object_path(self.namespace, key), list(plan.ranges)
+                )
+            except StoreUnavailable:
+                self.counters.errors += 1
+                return None
+            if parts is None:
+                self._catalog.remove(key)
+                return None
+            pieces = plan.verify(parts, fingerprint=self._fingerprint, key=key)
+            if pieces is not None:
+                return pieces
+        return await self._fetch(key)
+
+    async def _deliver_layers(
+        self, key: ChunkKey, got: Pieces | bytes | None, plan: LayerPlan, dst: Buffer
     ) -> tuple[Verdict | None, int]:
-        path = object_path(self.namespace, key)
-        try:
-            parts = await self._store.cat_ranges(path, list(plan.ranges))
-        except StoreUnavailable:
-            self.counters.errors += 1
+        """Copy what `_read_layers` returned into `dst`; its verdict and object size."""
+        if got is None:
             return None, 0
-        if parts is None:
-            self._catalog.remove(key)
-            return None, 0
-        pieces = plan.verify(parts, fingerprint=self._fingerprint, key=key)
-        if pieces is None:  # not what a ranged read can vouch for: judge the whole object
-            raw = await self._fetch(key)
-            if raw is None:
-                return None, 0
-            return await self._offload(self._check_and_copy_layers, key, raw, plan, dst)
-        await self._offload(write_layers, dst, pieces, self.layout.num_layers)
+        if isinstance(got, bytes):
+            return await self._offload(self._check_and_copy_layers, key, got, plan, dst)
+        await self._offload(write_layers, dst, got, self.layout.num_layers)
         return Verdict.OK, self.value_bytes
+
+    def _check(self, key: ChunkKey, raw: bytes) -> tuple[Verdict, memoryview | None]:
+        return fmt.check_value(
+            raw,
+            fingerprint=self._fingerprint,
+            key=key,
+            payload_len=self.layout.chunk_bytes,
+            auth_key=self._auth_key,
+        )
 
     def _check_and_copy_layers(
         self, key: ChunkKey, raw: bytes, plan: LayerPlan, dst: Buffer
     ) -> tuple[Verdict, int]:
-        verdict, payload = fmt.check_value(
-            raw, fingerprint=self._fingerprint, key=key, payload_len=self.layout.chunk_bytes
-        )
+        verdict, payload = self._check(key, raw)
         if payload is not None:
             write_layers(dst, plan.from_payload(payload), self.layout.num_layers)
         return verdict, len(raw)

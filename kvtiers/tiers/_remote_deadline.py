@@ -1,0 +1,73 @@
+"""A deadline for the remote tier's reads: the engine never waits past `read_timeout`.
+
+One request is bounded by `timeout`, but a read call is more than one request: it may wait
+for one of `max_in_flight` slots behind slow requests, retry after a failure, back off.
+A store that is slow for some objects would then hold a load for several timeouts. So a
+read call waits for its requests up to `read_timeout` in all; what has not arrived by then
+is a miss, and the requests still running become stragglers: they run on to their own
+timeout (their effects on the catalog and counters are still accounted) with nobody
+waiting, and the tier's close waits for them.
+
+A straggler only ever produces bytes; it never writes into a caller's buffer (the caller
+copies what arrived in time), so abandoning it cannot corrupt a destination reused later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+__all__ = ["Stragglers"]
+
+_T = TypeVar("_T")
+
+
+class Stragglers:
+    """Run a read call's requests under a deadline; own the ones it stopped waiting for."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.abandoned = 0
+        """Requests a read call stopped waiting for, so far."""
+
+    async def within(
+        self, seconds: float, aws: Sequence[Awaitable[_T]], default: _T
+    ) -> tuple[list[_T], int]:
+        """Await `aws` concurrently for at most `seconds`.
+
+        Returns:
+            Each result in order, `default` for those not done in time; and how many
+            those were.
+
+        Raises:
+            BaseException: the first error among those done in time. On cancellation the
+                requests are waited for first (as `gather_all` does).
+        """
+        tasks = [asyncio.ensure_future(aw) for aw in aws]
+        if not tasks:
+            return [], 0
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=seconds)
+        except asyncio.CancelledError:
+            await asyncio.wait(tasks)
+            raise
+        for task in pending:
+            self._tasks.add(task)
+            task.add_done_callback(self._reap)
+        self.abandoned += len(pending)
+        errors = [error for task in done if (error := task.exception()) is not None]
+        if errors:  # every one retrieved above, so none is reported as never retrieved
+            raise errors[0]
+        results = [task.result() if task in done else default for task in tasks]
+        return results, len(pending)
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: nobody else will look at it
+
+    async def drain(self) -> None:
+        """Wait for every straggler to end (each is bounded by its request timeout)."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))

@@ -1,0 +1,1 @@
+"""Reliability and security: crashes, faults, full disks, load, hostile input, poisoned KV."""

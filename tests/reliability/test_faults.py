@@ -1,0 +1,197 @@
+"""Slow and failing stores: misses for what failed, hits for the rest, and no long waits.
+
+The remote tier runs on `faulty://` (`_faulty_fs`): requests are slowed past the timeout,
+fail like an HTTP 503, or return truncated bodies, each at a set rate. Every chunk a load
+returns must be the one stored, and no engine-facing call may wait longer than the
+tier's `read_timeout` (plus a little scheduling slack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtiers import TieredCache
+from kvtiers.tiers.remote import RemoteTier
+from tests.conftest import SMALL_LAYOUT, make_kv, same_bytes, small_layout
+from tests.reliability import _faulty_fs as faulty
+from tests.reliability._factories import (
+    LAYOUT,
+    SECRET,
+    SECRET_ENV,
+    dsts,
+    keys,
+    payloads,
+    remote_config,
+)
+from tests.reliability._factories import integrity as integrity_options
+
+pytestmark = pytest.mark.reliability
+
+READ_TIMEOUT = 0.2
+SLACK = 0.1  # event-loop scheduling on a busy 2-core machine
+LAY = small_layout()
+
+
+@pytest.fixture(autouse=True)
+def _faulty_store() -> Any:
+    faulty.register()
+    faulty.ACTIVE = faulty.Faults()
+    yield
+    faulty.ACTIVE = faulty.Faults()
+
+
+def _config(url: str, **remote: Any) -> dict[str, Any]:
+    tier = {
+        "kind": "remote",
+        "capacity": "64MiB",
+        "url": url,
+        "timeout": READ_TIMEOUT,
+        "retries": 1,
+        "breaker_failures": 10**6,  # the faults, not the breaker, decide here
+        **remote,
+    }
+    return {
+        "layout": SMALL_LAYOUT,
+        "tiers": [{"kind": "dram", "capacity": 8 * LAY.chunk_bytes}, tier],
+    }
+
+
+def _conversations(count: int) -> list[tuple[list[int], Any]]:
+    return [([c * 1000 + t for t in range(64)], make_kv(LAY, 64, seed=c)) for c in range(count)]
+
+
+async def _populate(cfg: dict[str, Any], convs: list[tuple[list[int], Any]]) -> None:
+    async with TieredCache.from_config(cfg) as cache:
+        for tokens, kv in convs:
+            await cache.store(tokens, kv)
+        await cache.flush()
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+async def test_slow_failing_truncating_store_gives_misses_never_wrong_kv_or_long_waits(
+    concurrency: int,
+) -> None:
+    cfg = _config(f"faulty://pool/{uuid.uuid4().hex[:8]}")
+    convs = _conversations(48)
+    await _populate(cfg, convs)
+    faulty.ACTIVE = faulty.Faults(
+        slow_rate=0.1, delay=3 * READ_TIMEOUT, error_rate=0.1, truncate_rate=0.1, seed=concurrency
+    )
+    durations: list[float] = []
+    loaded: list[int] = []
+    async with TieredCache.from_config(cfg) as cache:
+        slots = asyncio.Semaphore(concurrency)
+
+        async def load(tokens: list[int], kv: Any) -> None:
+            async with slots:
+                start = time.perf_counter()
+                out = await cache.load(tokens)
+                durations.append(time.perf_counter() - start)
+                loaded.append(out.shape[2])
+                assert same_bytes(out, kv[:, :, : out.shape[2]])  # a hit is the right KV
+
+        await asyncio.gather(*(load(tokens, kv) for tokens, kv in convs))
+        stats = cache.stats()
+    injected = dict(faulty.ACTIVE.injected)
+    slow_calls = sum(d > READ_TIMEOUT + SLACK for d in durations)
+    print(
+        f"faults, concurrency {concurrency}: injected {injected}, {len(durations)} loads, "
+        f"max {max(durations):.3f} s, over the timeout {slow_calls}, "
+        f"tokens {sum(loaded)} of {64 * len(convs)}"
+    )
+    assert sum(injected.values()) > 0
+    assert slow_calls == 0, sorted(durations)[-5:]
+    assert 0 < sum(loaded) < 64 * len(convs)  # hits for the rest, misses for what failed
+    remote = stats.tiers[1]
+    assert remote.hits > 0 and remote.misses > 0
+
+
+async def test_store_back_to_health_serves_every_chunk_again() -> None:
+    cfg = _config(f"faulty://pool/{uuid.uuid4().hex[:8]}")
+    convs = _conversations(8)
+    await _populate(cfg, convs)
+    faulty.ACTIVE = faulty.Faults(slow_rate=1.0, delay=3 * READ_TIMEOUT, seed=3)
+    async with TieredCache.from_config(cfg) as cache:
+        start = time.perf_counter()
+        assert (await cache.load(convs[0][0])).shape[2] == 0
+        assert time.perf_counter() - start < READ_TIMEOUT + SLACK
+        faulty.ACTIVE.off()
+        await asyncio.sleep(3 * READ_TIMEOUT)  # the slow requests end as stragglers
+        for tokens, kv in convs:
+            assert same_bytes(await cache.load(tokens), kv)
+
+
+async def test_lookup_is_bounded_by_the_read_timeout_too() -> None:
+    cfg = _config(f"faulty://pool/{uuid.uuid4().hex[:8]}")
+    convs = _conversations(4)
+    await _populate(cfg, convs)
+    faulty.ACTIVE = faulty.Faults(slow_rate=1.0, delay=3 * READ_TIMEOUT, seed=4)
+    async with TieredCache.from_config(cfg) as cache:
+        start = time.perf_counter()
+        assert await cache.lookup(convs[0][0]) == 0
+        assert time.perf_counter() - start < READ_TIMEOUT + SLACK
+
+
+@pytest.mark.parametrize("integrity", [False, True])
+async def test_layer_reads_are_bounded_by_the_read_timeout(
+    monkeypatch: pytest.MonkeyPatch, integrity: bool
+) -> None:
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    options = integrity_options() if integrity else {}
+    config = remote_config(
+        f"faulty://pool/{uuid.uuid4().hex[:8]}", timeout=READ_TIMEOUT, retries=1, **options
+    )
+    ks, srcs = keys(6), payloads(6)
+    async with RemoteTier(config, LAYOUT) as tier:
+        assert await tier.put(ks, srcs) == [True] * 6
+        faulty.ACTIVE = faulty.Faults(slow_rate=0.5, delay=3 * READ_TIMEOUT, seed=7)
+        out = dsts(6)
+        start = time.perf_counter()
+        hits = await tier.get_layers(ks, [1], out)
+        assert time.perf_counter() - start < READ_TIMEOUT + SLACK
+        assert faulty.ACTIVE.injected["slow"] > 0 and not all(hits)
+        step = LAYOUT.layer_bytes
+        for hit, buf, src in zip(hits, out, srcs, strict=True):
+            # a hit holds the layer; a miss leaves the buffer alone, also later
+            assert np.array_equal(buf[step:], src[step:]) if hit else (buf == 7).all()
+        await asyncio.sleep(4 * READ_TIMEOUT)  # the abandoned requests end meanwhile
+        assert all((buf == 7).all() for hit, buf in zip(hits, out, strict=True) if not hit)
+
+
+@pytest.mark.parametrize("value", [0, -1, "1s", True, float("nan")])
+def test_bad_read_timeout_is_a_config_error(value: Any) -> None:
+    from kvtiers.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^tiers\[1\]\.read_timeout:"):
+        RemoteTier(remote_config("memory://x/y", read_timeout=value), LAYOUT)
+
+
+async def test_stragglers_return_defaults_in_time_and_are_drained() -> None:
+    from kvtiers.tiers._remote_deadline import Stragglers
+
+    finished: list[int] = []
+
+    async def request(i: int, delay: float) -> int:
+        await asyncio.sleep(delay)
+        finished.append(i)
+        return i
+
+    stragglers = Stragglers()
+    start = time.perf_counter()
+    results, late = await stragglers.within(0.05, [request(0, 0), request(1, 0.5)], -1)
+    assert time.perf_counter() - start < 0.05 + SLACK
+    assert (results, late, stragglers.abandoned) == ([0, -1], 1, 1)
+    await stragglers.drain()
+    assert finished == [0, 1]
+
+    async def broken() -> int:
+        raise OSError("boom")
+
+    with pytest.raises(OSError, match="boom"):
+        await stragglers.within(1.0, [broken(), broken()], -1)
