@@ -24,6 +24,7 @@ BENCHMARKS = (
     "bench_dram",
     "bench_lmdb",
     "bench_remote",
+    "bench_pool_stores",
     "bench_overhead",
     "bench_policies",
 )

@@ -215,7 +215,7 @@ def _size_and_bytes(num_bytes: int) -> str:
 def _tier_lines(
     tc: TierConfig, cls: type[Tier], tier: Tier | None, layout: KVLayout | None
 ) -> list[str]:
-    options = ", ".join(f"{k}={v}" for k, v in sorted(tc.options.items())) or "none"
+    options = ", ".join(f"{k}={_shown(k, v)}" for k, v in sorted(tc.options.items())) or "none"
     evicted_by = "the tier itself" if cls.manages_eviction else "the cache"
     shared = "; shared with other processes" if cls.shared else ""
     policy = "top tier: written by store" if tc.index == 0 else tc.write_policy
@@ -227,7 +227,23 @@ def _tier_lines(
         f"  write       {policy}",
         f"  options     {options}",
         *_takes(tc, cls, tier),
+        *_described(tier),
     ]
+
+
+def _shown(name: str, value: Any) -> Any:
+    """Return an option's value for display: a URL without its credentials."""
+    if name == "url" and isinstance(value, str):
+        from kvtiers.tiers._remote_options import display_url
+
+        return display_url(value)
+    return value
+
+
+def _described(tier: Tier | None) -> list[str]:
+    """Return the lines a tier writes about itself (`explain_lines`), if it does."""
+    explain_lines = getattr(tier, "explain_lines", None)
+    return list(explain_lines()) if callable(explain_lines) else []
 
 
 def _chunks(tc: TierConfig, tier: Tier | None, layout: KVLayout | None) -> str:

@@ -1,0 +1,416 @@
+"""The mooncake tier: chunks pooled in a Mooncake Store, in the memory of many processes.
+
+A chunk is the object `<prefix>/<layout fingerprint hex>/<key hex>`, in the lmdb tier's
+format (`_chunk_format`). The store's client (`mooncake.store`) is synchronous: its calls
+run in the tier's own thread pool, one batched call per group of chunks (at most 64 MiB),
+up to `max_in_flight` at once. Values travel zero-copy between the store and a staging
+buffer registered with it (`_pool_staging`); a read is verified there before a byte
+reaches the caller's buffer.
+
+The store's semantics, and what the tier makes of them:
+
+- a `put` of an existing key keeps the old value: a key read as bad (garbage, foreign,
+  lost) is removed with `force`, so that the next `put` writes it anew;
+- `remove` is refused for 10 s after a read (a lease): the tier always forces it;
+- objects vanish without notice (eviction when the pool fills; the death of the process
+  whose memory held them): a read then finds nothing, or fails, and either is a miss;
+- a failed call looks like a miss; a call whose every key failed counts as a failure of
+  the store, and enough of them in a row open the circuit breaker (`_pool_guard`).
+
+Capacity bounds the chunks this process knows to be in the pool (its writes and its hits),
+least recently used first; the pool's real bound is the memory its segments lend, beyond
+which the store evicts by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtiers.core.config import TierConfig, format_size
+from kvtiers.core.errors import ConfigError
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import TierUsage
+from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers._chunk_format import Verdict
+from kvtiers.tiers._mooncake_io import (
+    LOST,
+    NOT_FOUND,
+    TOO_LARGE,
+    Staging,
+    StoreCalls,
+    StoreFailed,
+    bind_tcp,
+    setup_client,
+)
+from kvtiers.tiers._pool_guard import StoreGuard, StoreUnavailable, check_keys
+from kvtiers.tiers._pool_options import MooncakeOptions
+from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
+from kvtiers.tiers.base import Buffer, Tier
+
+__all__ = ["MooncakeOptions", "MooncakeTier"]
+
+_GROUP_BYTES = 64 * 2**20  # values per store call, at most (one value may be more)
+_MIN_BUFFER = 16 * 2**20  # the client's own transfer buffer, at least
+
+
+class MooncakeTier(Tier):
+    """A tier of chunks in a Mooncake Store, shared by every client of its master.
+
+    `used_bytes` counts whole stored values (header and payload) that this process knows to
+    be in the pool (see the module docstring).
+
+    Args:
+        config: capacity, eviction (only `"lru"`) and the options of `MooncakeOptions`.
+        layout: the KV layout of the chunks it holds.
+
+    Raises:
+        ConfigError: an option is invalid, or the capacity cannot hold one chunk.
+    """
+
+    kind = "mooncake"
+    shared = True
+    manages_eviction = True
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        super().__init__(config, layout)
+        self.options = options = MooncakeOptions.from_config(config)
+        self._fingerprint = layout.fingerprint
+        self.value_bytes = fmt.value_bytes(self._fingerprint, layout.chunk_bytes)
+        """Bytes of one stored value (header and payload)."""
+        if self.capacity_bytes < self.value_bytes:
+            raise ConfigError(
+                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
+                f"takes {self.value_bytes} bytes (header and payload), got {self.capacity_bytes}"
+            )
+        if options.buffer_size and options.buffer_size < self.value_bytes:
+            raise ConfigError(
+                f"{config.where}.buffer_size: smaller than one stored chunk "
+                f"({self.value_bytes} bytes), got {options.buffer_size}"
+            )
+        self.max_entries = self.capacity_bytes // self.value_bytes
+        """Chunks the capacity holds."""
+        self.namespace = f"{options.prefix}/{self._fingerprint.hex()}"
+        """The first part of every object key of this tier's layout."""
+        self._per_call = max(1, _GROUP_BYTES // self.value_bytes)  # chunks per store call
+        self._guard = StoreGuard(
+            f"mooncake tier {self.name!r}",
+            f"mooncake master {options.master}",
+            timeout=None,  # NOTE: StoreCalls times calls out; the guard cannot stop a thread
+            slots=options.max_in_flight,
+            breaker=CircuitBreaker(options.breaker_failures, options.breaker_cooldown),
+            errors=(StoreFailed, RuntimeError, OSError, ValueError),
+        )
+        self._catalog: OrderedDict[ChunkKey, None] = OrderedDict()  # least recent first
+        self._store: Any = None
+        self._replicate: Any = None
+        self._staging: Staging | None = None
+        self._calls: StoreCalls | None = None
+        self._write_lock = asyncio.Lock()  # one put at a time: exact accounting
+        self._connect_lock = asyncio.Lock()
+        self._new_client: Callable[[], Any] = lambda: None
+
+    @property
+    def io_counters(self) -> IOCounters:
+        """What the calls to the store went through: failures, timeouts, refusals."""
+        return self._guard.counters
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        # docstring inherited
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise ConfigError(
+                f"{self.config.where}.kind: the mooncake tier needs the Mooncake client: pip "
+                f"install 'kvtiers[mooncake]', and on Debian apt-get install libibverbs1 ({exc})"
+            ) from exc
+
+        options = self.options
+        bind_tcp(options)
+        self._calls = StoreCalls(
+            options.max_in_flight + 1, options.timeout, f"kvtiers-mooncake-{self.name}"
+        )
+        self._staging = Staging(options.max_in_flight, self._per_call, self.value_bytes)
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = options.replicas
+        self._new_client = MooncakeDistributedStore
+        await self._client()
+
+    async def _client(self) -> Any:
+        """Return the store's client, connecting it first if need be.
+
+        Returns:
+            The client, or `None` while the breaker refuses or the master is unreachable
+            (a later call tries again: the tier recovers by itself).
+        """
+        if self._store is not None:
+            return self._store
+        if self._guard.refuses():
+            return None
+        async with self._connect_lock:
+            if self._store is None:
+                try:
+                    await self._guard.call(self._connect)
+                except StoreUnavailable:
+                    self.counters.errors += 1
+        return self._store
+
+    async def _connect(self) -> None:
+        # NOTE: the client's setup holds the interpreter lock while it retries an unreachable
+        # master (about 90 s), so a plain connection attempt goes first.
+        host, _, port = self.options.master.rpartition(":")
+        async with asyncio.timeout(self.options.timeout):
+            _, writer = await asyncio.open_connection(host, int(port))
+        writer.close()
+        store = self._new_client()
+        buffer_size = self.options.buffer_size or max(_MIN_BUFFER, self.value_bytes)
+        assert self._staging is not None
+        await self._io.run(setup_client, store, self.options, buffer_size, self._staging)
+        self._store = store
+
+    async def _close(self) -> None:
+        # docstring inherited
+        store, self._store = self._store, None
+        calls, self._calls = self._calls, None
+        if calls is not None:
+            await calls.close()  # NOTE: first, so no call uses the client while it closes
+        if store is not None:
+            await asyncio.to_thread(store.close)
+
+    @property
+    def _io(self) -> StoreCalls:
+        assert self._calls is not None  # NOTE: set by _open; every caller checks the state
+        return self._calls
+
+    # -- the contract ------------------------------------------------------------------
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        store = await self._client() if keys else None
+        if store is None or self._guard.refuses():
+            return [False] * len(keys)
+        names = [self._name(key) for key in keys]
+        try:
+            codes = await self._guard.call(lambda: self._io.batch(store.batch_is_exist, names))
+        except StoreUnavailable:
+            self.counters.errors += 1
+            return [False] * len(keys)
+        self.counters.errors += sum(code < 0 for code in codes)
+        for key, code in zip(keys, codes, strict=True):
+            if code == 0:
+                self._catalog.pop(key, None)
+        return [code == 1 for code in codes]
+
+    async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        self._check_buffers(keys, dsts)
+        store = await self._client() if keys else None
+        if store is None or self._guard.refuses():
+            self.counters.misses += len(keys)
+            return [False] * len(keys)
+        per_call = self._per_call
+        found = await gather_all(
+            self._get_some(store, keys[i : i + per_call], dsts[i : i + per_call])
+            for i in range(0, len(keys), per_call)
+        )
+        verdicts = [verdict for part in found for verdict in part]
+        hits = [verdict is Verdict.OK for verdict in verdicts]
+        bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, Verdict.OK)]
+        self.counters.corrupt += verdicts.count(Verdict.CORRUPT)
+        self.counters.foreign += verdicts.count(Verdict.FOREIGN)
+        self.counters.hits += sum(hits)
+        self.counters.misses += len(keys) - sum(hits)
+        self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
+        for key, hit in zip(keys, hits, strict=True):
+            if hit:
+                self._catalog[key] = None
+                self._catalog.move_to_end(key)
+            else:
+                self._catalog.pop(key, None)
+        while len(self._catalog) > self.max_entries:  # others' chunks read: forget the oldest
+            self._catalog.popitem(last=False)
+        if bad:
+            await self._remove(bad)
+        return hits
+
+    async def _get_some(
+        self, store: Any, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]
+    ) -> list[Verdict | None]:
+        """Read one call's worth of keys into `dsts`; `None` where there was no value.
+
+        A value the store failed to deliver (lost with its segment) is `CORRUPT`, so that
+        it is removed and may be written again.
+        """
+        try:
+            return await self._guard.call(functools.partial(self._read_some, store, keys, dsts))
+        except StoreUnavailable:
+            self.counters.errors += 1
+            return [None] * len(keys)
+
+    async def _read_some(
+        self, store: Any, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]
+    ) -> list[Verdict | None]:
+        assert self._staging is not None
+        async with self._staging.region(self.options.timeout) as region:
+            names = [self._name(key) for key in keys]
+            ptrs = [region.address(i) for i in range(len(keys))]
+            sizes = [self.value_bytes] * len(keys)
+            get = store.batch_get_into
+            codes = await self._io.batch(get, names, ptrs, sizes, region=region)
+            verdicts: list[Verdict | None] = []
+            for i, (key, code, dst) in enumerate(zip(keys, codes, dsts, strict=True)):
+                if code == NOT_FOUND:
+                    verdicts.append(None)
+                elif code == LOST:  # its segment is gone: remove it, so it can be rewritten
+                    self.counters.errors += 1
+                    verdicts.append(Verdict.CORRUPT)
+                elif code < 0 and code != TOO_LARGE:  # a lease that expired, say
+                    self.counters.errors += 1
+                    verdicts.append(None)
+                else:
+                    raw = region.slot(i)[: max(code, 0)].data
+                    verdicts.append(self._check_and_copy(key, raw, dst))
+            return verdicts
+
+    def _check_and_copy(self, key: ChunkKey, raw: memoryview, dst: Buffer) -> Verdict:
+        verdict, payload = fmt.check_value(
+            raw, fingerprint=self._fingerprint, key=key, payload_len=self.layout.chunk_bytes
+        )
+        if payload is not None:  # verified before a byte reaches the destination
+            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
+        return verdict
+
+    async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        self._check_buffers(keys, srcs)
+        order = list(dict.fromkeys(keys))  # a repeated key is written once
+        held = dict.fromkeys(order, False)
+        sources = dict(zip(keys, srcs, strict=True))
+        async with self._write_lock:
+            for key in order:
+                if key in self._catalog:
+                    held[key] = True
+                    self._catalog.move_to_end(key)
+            # NOTE: the batch's known chunks stay; once a new one does not fit, no deeper
+            # one is stored without it.
+            new = [key for key in order if not held[key]]
+            new = new[: max(0, self.max_entries - (len(order) - len(new)))]
+            excess = len(self._catalog) + len(new) - self.max_entries
+            victims = [key for key in self._catalog if key not in held][: max(0, excess)]
+            if victims:
+                self.counters.evictions += len(victims)
+                await self._remove(victims)
+            await self._put_new(new, sources, held)
+        self.counters.declined += len(order) - sum(held.values())
+        return [held[key] for key in keys]
+
+    async def _put_new(
+        self, keys: list[ChunkKey], sources: dict[ChunkKey, Buffer], held: dict[ChunkKey, bool]
+    ) -> None:
+        per_call = self._per_call
+        for start in range(0, len(keys), per_call):
+            part = keys[start : start + per_call]
+            store = await self._client()
+            if store is None or self._guard.refuses():
+                self._guard.counters.dropped_writes += len(keys) - start
+                return
+            try:
+                await self._guard.call(
+                    functools.partial(self._put_some, store, part, sources, held)
+                )
+            except StoreUnavailable:
+                self.counters.errors += 1
+                self._guard.counters.dropped_writes += len(keys) - start
+                return
+
+    async def _put_some(
+        self,
+        store: Any,
+        keys: list[ChunkKey],
+        sources: dict[ChunkKey, Buffer],
+        held: dict[ChunkKey, bool],
+    ) -> None:
+        """Write one call's worth of keys through a staging region."""
+        assert self._staging is not None
+
+        def record(codes: list[int]) -> None:
+            stored = [key for key, code in zip(keys, codes, strict=True) if code == 0]
+            for key in stored:
+                held[key] = True
+                self._catalog[key] = None
+            self.counters.puts += len(stored)
+            self.counters.bytes_written += len(stored) * self.layout.chunk_bytes
+
+        async with self._staging.region(self.options.timeout) as region:
+            for i, key in enumerate(keys):
+                payload = np.ascontiguousarray(sources[key]).reshape(-1)
+                value = fmt.pack_value(self._fingerprint, key, payload.data)
+                region.slot(i)[: len(value)] = np.frombuffer(value, np.uint8)
+            names = [self._name(key) for key in keys]
+            ptrs = [region.address(i) for i in range(len(keys))]
+            sizes = [self.value_bytes] * len(keys)
+            put = store.batch_put_from
+            await self._io.batch(
+                put, names, ptrs, sizes, self._replicate, region=region, on_done=record
+            )
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> None:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        if keys:
+            await self._remove(keys)
+
+    async def _remove(self, keys: Sequence[ChunkKey]) -> None:
+        """Remove `keys` from the store (forced: leases do not hold it up)."""
+        for key in keys:
+            self._catalog.pop(key, None)
+        store = await self._client()
+        if store is None or self._guard.refuses():
+            return
+        names = [self._name(key) for key in keys]
+        try:
+            await self._guard.call(
+                lambda: self._io.batch(store.batch_remove, names, True, answers=(NOT_FOUND,))
+            )
+        except StoreUnavailable:
+            self.counters.errors += 1
+
+    def usage(self) -> TierUsage:
+        """Return the capacity and the chunks this process knows to be in the pool."""
+        num = len(self._catalog)
+        return TierUsage(self.capacity_bytes, num * self.value_bytes, num)
+
+    def explain_lines(self) -> list[str]:
+        """Return what `kvtiers explain` shows of this tier beyond its config."""
+        options = self.options
+        lends = (
+            f"lends {format_size(options.segment_size)} of this process's memory to the pool"
+            if options.segment_size
+            else "a pure client: lends no memory to the pool"
+        )
+        staging = options.max_in_flight * self._per_call * self.value_bytes
+        return [
+            f"  master      {options.master} over {options.protocol}, metadata "
+            f"{options.metadata}, {options.replicas} replica(s); objects {self.namespace}/<key>",
+            f"  memory      {lends}; {format_size(staging)} of registered staging",
+            f"  holds       up to {self.max_entries:,} chunks of {format_size(self.value_bytes)} "
+            f"(header included) that this process wrote or read",
+        ]
+
+    def _name(self, key: ChunkKey) -> str:
+        return f"{self.namespace}/{key.hex()}"

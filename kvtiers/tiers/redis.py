@@ -1,0 +1,394 @@
+"""The redis tier: chunks pooled in a Redis or Valkey server, shared by every process.
+
+A chunk lives under `<prefix>:<layout fingerprint hex>:c:<key>` in the lmdb tier's format
+(`_chunk_format`), so a value that is garbage, truncated, of another layout or written
+behind kvtiers' back reads as a miss (deleted and counted), never as wrong KV.
+
+The tier evicts by capacity itself (`manages_eviction`), least recently used over every
+process: a sorted set `<prefix>:<fingerprint hex>:lru` holds each chunk key with the time
+of its last write or read. A `put` runs one Lua script per batch, which writes the values,
+records them, and evicts the oldest entries past the capacity, atomically; a chunk that
+does not fit without evicting one of the batch's own chunks is declined, and so is every
+deeper one. A `get` is one pipeline: the GETs and a script that touches the hits. Since
+every value of a layout has the same size, the set's cardinality is the usage. The
+server's own `maxmemory` eviction may still drop values (a miss); the set then forgets
+them on the next write of the key or by age.
+
+Every request is a pipeline behind the breaker of `_pool_guard`: while the server fails,
+calls return misses at once and `put` drops its chunks (counted); nothing raises.
+Keys name other keys from inside scripts, so the tier needs a standalone server (or a
+proxy that keeps one layout's keys on one shard), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+try:
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import RedisError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+except ImportError as exc:  # the registry shows this as the reason the kind is unavailable
+    raise ImportError(
+        f"the redis tier needs redis-py: pip install 'kvtiers[redis]' ({exc})"
+    ) from exc
+
+from kvtiers.core.config import TierConfig, format_size
+from kvtiers.core.errors import ConfigError
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import TierUsage
+from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers._chunk_format import Verdict
+from kvtiers.tiers._pool_guard import StoreGuard, StoreUnavailable, check_keys
+from kvtiers.tiers._pool_options import RedisOptions
+from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
+from kvtiers.tiers._remote_options import Redactor, display_url
+from kvtiers.tiers.base import Buffer, Tier
+
+__all__ = ["RedisOptions", "RedisTier"]
+
+# Bytes of values one request (a put script, a pipeline of GETs) carries, at most (one value
+# may be more): the requests of a large batch run concurrently, over several connections.
+_BATCH_BYTES = 64 * 2**20
+
+# KEYS[1]: the recency set; KEYS[2..]: chunk keys. ARGV[1]: now (seconds); ARGV[2]: the most
+# entries the capacity holds; ARGV[3]: ttl in ms (0: none); ARGV[4..]: the values, aligned.
+# Returns a 0/1 per key (held after the call), then the set's size and the evictions.
+_PUT = """
+local zset, now, limit, ttl = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if ttl > 0 then
+  redis.call('ZREMRANGEBYSCORE', zset, '-inf', '(' .. (now - ttl / 1000))
+end
+local count = redis.call('ZCARD', zset)
+local out, evicted, full = {}, 0, false
+for i = 2, #KEYS do
+  local key, held = KEYS[i], 0
+  local known = redis.call('ZSCORE', zset, key)
+  if known and redis.call('EXISTS', key) == 1 then
+    redis.call('ZADD', zset, ARGV[1], key)
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+    held = 1
+  elseif not full then
+    if known then
+      redis.call('ZREM', zset, key)
+      count = count - 1
+    end
+    while count >= limit do
+      local oldest = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
+      if #oldest == 0 or tonumber(oldest[2]) >= now then
+        full = true
+        break
+      end
+      redis.call('ZREM', zset, oldest[1])
+      redis.call('UNLINK', oldest[1])
+      count, evicted = count - 1, evicted + 1
+    end
+    if not full then
+      if ttl > 0 then
+        redis.call('SET', key, ARGV[i + 2], 'PX', ttl)
+      else
+        redis.call('SET', key, ARGV[i + 2])
+      end
+      redis.call('ZADD', zset, ARGV[1], key)
+      count, held = count + 1, 1
+    end
+  end
+  out[#out + 1] = held
+end
+out[#out + 1] = count
+out[#out + 1] = evicted
+return out
+"""
+
+# KEYS[1]: the recency set; KEYS[2..]: chunk keys that were read. ARGV[1]: now (seconds).
+_TOUCH = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], KEYS[i])
+  end
+end
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+class RedisTier(Tier):
+    """A tier of chunks in a Redis or Valkey server, shared by every process that uses it.
+
+    `used_bytes` counts whole stored values (header and payload) of every process, as of
+    this process's last request.
+
+    Args:
+        config: capacity, eviction (only `"lru"`) and the options of `RedisOptions`.
+        layout: the KV layout of the chunks it holds.
+
+    Raises:
+        ConfigError: an option is invalid, the capacity cannot hold one chunk, or a stored
+            chunk would be larger than the server accepts (`max_value_bytes`).
+    """
+
+    kind = "redis"
+    shared = True
+    manages_eviction = True
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        super().__init__(config, layout)
+        self.options = RedisOptions.from_config(config)
+        self._fingerprint = layout.fingerprint
+        self.value_bytes = fmt.value_bytes(self._fingerprint, layout.chunk_bytes)
+        """Bytes of one stored value (header and payload)."""
+        if self.value_bytes > self.options.max_value_bytes:
+            raise ConfigError(
+                f"{config.where}.max_value_bytes: a stored chunk takes "
+                f"{format_size(self.value_bytes)} ({self.value_bytes} bytes), more than the "
+                f"server accepts per value ({format_size(self.options.max_value_bytes)}); use a "
+                f"smaller chunk_size, or raise the server's proto-max-bulk-len and this option"
+            )
+        if self.capacity_bytes < self.value_bytes:
+            raise ConfigError(
+                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
+                f"takes {self.value_bytes} bytes (header and payload), got {self.capacity_bytes}"
+            )
+        self.max_entries = self.capacity_bytes // self.value_bytes
+        """Chunks the capacity holds."""
+        self._per_call = max(1, _BATCH_BYTES // self.value_bytes)  # chunks per request
+        base = f"{self.options.prefix}:{self._fingerprint.hex()}"
+        self.namespace = base
+        """The first part of every key of this tier's layout."""
+        self._lru = f"{base}:lru".encode()
+        self._chunk_prefix = f"{base}:c:".encode()
+        options = self.options
+        self._guard = StoreGuard(
+            f"redis tier {self.name!r}",
+            display_url(options.url),
+            # NOTE: the client's socket timeout bounds each wait for the server instead: a
+            # whole request may rightly take longer while the server serves the tier's others.
+            timeout=None,
+            slots=options.max_connections,
+            breaker=CircuitBreaker(options.breaker_failures, options.breaker_cooldown),
+            errors=(RedisError, OSError),
+            timeouts=(RedisTimeoutError,),
+            redact=Redactor({}, options.url),
+        )
+        self._client: aioredis.Redis | None = None
+        self._num_entries = 0  # the recency set's size, as of the last request
+
+    @property
+    def io_counters(self) -> IOCounters:
+        """What the requests to the server went through: failures, timeouts, refusals."""
+        return self._guard.counters
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        # docstring inherited
+        options = self.options
+        self._client = aioredis.Redis.from_url(
+            options.url,
+            max_connections=options.max_connections,
+            socket_timeout=options.timeout,
+            socket_connect_timeout=options.timeout,
+            retry=Retry(NoBackoff(), options.retries),
+        )
+        try:
+            await self._guard.call(self._refresh_usage)
+        except StoreUnavailable:  # served as misses until the breaker lets a probe through
+            self.counters.errors += 1
+
+    async def _refresh_usage(self) -> None:
+        self._num_entries = int(await self._redis.zcard(self._lru))
+
+    async def _close(self) -> None:
+        # docstring inherited
+        if self._client is not None:
+            await self._client.aclose()
+
+    @property
+    def _redis(self) -> aioredis.Redis:
+        assert self._client is not None  # NOTE: set by _open; every caller checks the state
+        return self._client
+
+    # -- the contract ------------------------------------------------------------------
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        if not keys or self._guard.refuses():
+            return [False] * len(keys)
+
+        async def request() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._chunk_key(key))
+            pipe.zcard(self._lru)
+            return await pipe.execute()
+
+        try:
+            *found, count = await self._guard.call(request)
+        except StoreUnavailable:
+            self.counters.errors += 1
+            return [False] * len(keys)
+        self._num_entries = int(count)
+        return [bool(n) for n in found]
+
+    async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        self._check_buffers(keys, dsts)
+        if not keys or self._guard.refuses():
+            self.counters.misses += len(keys)
+            return [False] * len(keys)
+        per_call = self._per_call
+        found = await gather_all(
+            self._get_some(keys[i : i + per_call], dsts[i : i + per_call])
+            for i in range(0, len(keys), per_call)
+        )
+        verdicts = [verdict for part in found for verdict in part]
+        hits = [verdict is Verdict.OK for verdict in verdicts]
+        bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, Verdict.OK)]
+        self.counters.corrupt += verdicts.count(Verdict.CORRUPT)
+        self.counters.foreign += verdicts.count(Verdict.FOREIGN)
+        self.counters.hits += sum(hits)
+        self.counters.misses += len(keys) - sum(hits)
+        self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
+        if bad:
+            await self._delete(bad)
+        return hits
+
+    async def _get_some(
+        self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]
+    ) -> list[Verdict | None]:
+        """Read one pipeline's worth of keys into `dsts`; `None` where there was no value."""
+        try:
+            values = await self._guard.call(functools.partial(self._read, keys))
+        except StoreUnavailable:
+            self.counters.errors += 1
+            return [None] * len(keys)
+        return [
+            None if raw is None else self._check_and_copy(key, raw, dst)
+            for key, raw, dst in zip(keys, values, dsts, strict=True)
+        ]
+
+    async def _read(self, keys: Sequence[ChunkKey]) -> list[bytes | None]:
+        """Read the values of `keys` and touch them, in one pipeline."""
+        names = [self._chunk_key(key) for key in keys]
+        pipe = self._redis.pipeline(transaction=False)
+        ttl_ms = self._ttl_ms()
+        for name in names:
+            if ttl_ms:
+                pipe.getex(name, px=ttl_ms)
+            else:
+                pipe.get(name)
+        pipe.eval(_TOUCH, len(names) + 1, self._lru, *names, repr(time.time()))
+        *values, count = await pipe.execute()
+        self._num_entries = int(count)
+        return values
+
+    def _check_and_copy(self, key: ChunkKey, raw: bytes, dst: Buffer) -> Verdict:
+        verdict, payload = fmt.check_value(
+            raw, fingerprint=self._fingerprint, key=key, payload_len=self.layout.chunk_bytes
+        )
+        if payload is not None:  # verified before a byte reaches the destination
+            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
+        return verdict
+
+    async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        self._check_buffers(keys, srcs)
+        order = list(dict.fromkeys(keys))  # a repeated key is written once
+        held = dict.fromkeys(order, False)
+        sources = dict(zip(keys, srcs, strict=True))
+        per_call = self._per_call
+        for start in range(0, len(order), per_call):
+            batch = order[start : start + per_call]
+            try:
+                results = await self._guard.call(functools.partial(self._write, batch, sources))
+            except StoreUnavailable:
+                self.counters.errors += 1
+                self._guard.counters.dropped_writes += len(order) - start
+                break
+            held.update(zip(batch, results, strict=True))
+            if not all(results):  # full: no deeper chunk is stored without this one
+                break
+        self.counters.declined += len(order) - sum(held.values())
+        return [held[key] for key in keys]
+
+    async def _write(self, keys: Sequence[ChunkKey], sources: dict[ChunkKey, Buffer]) -> list[bool]:
+        """Store `keys` with one script call; return which are held after it."""
+        values = [self._pack(key, sources[key]) for key in keys]
+        names = [self._chunk_key(key) for key in keys]
+        argv = (repr(time.time()), self.max_entries, self._ttl_ms())
+        out = await self._redis.eval(_PUT, len(names) + 1, self._lru, *names, *argv, *values)
+        *flags, count, evicted = (int(x) for x in out)
+        self._num_entries = count
+        self.counters.evictions += evicted
+        written = sum(flags)
+        self.counters.puts += written
+        self.counters.bytes_written += written * self.layout.chunk_bytes
+        return [bool(flag) for flag in flags]
+
+    def _pack(self, key: ChunkKey, src: Buffer) -> bytes:
+        payload = np.ascontiguousarray(src).reshape(-1)
+        return fmt.pack_value(self._fingerprint, key, payload.data)
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> None:
+        # docstring inherited
+        self._ensure_open()
+        check_keys(keys)
+        if keys:
+            await self._delete(keys)
+
+    async def _delete(self, keys: Sequence[ChunkKey]) -> None:
+        names = [self._chunk_key(key) for key in keys]
+
+        async def request() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.unlink(*names)
+            pipe.zrem(self._lru, *names)
+            pipe.zcard(self._lru)
+            return await pipe.execute()
+
+        try:
+            *_, count = await self._guard.call(request)
+        except StoreUnavailable:
+            self.counters.errors += 1
+            return
+        self._num_entries = int(count)
+
+    def usage(self) -> TierUsage:
+        """Return the capacity and what every process holds, as of the last request."""
+        return TierUsage(
+            self.capacity_bytes, self._num_entries * self.value_bytes, self._num_entries
+        )
+
+    def explain_lines(self) -> list[str]:
+        """Return what `kvtiers explain` shows of this tier beyond its config."""
+        ttl = self.options.ttl
+        expiry = "never" if ttl is None else f"{ttl:g} s after a chunk's last write or read"
+        return [
+            f"  server      {display_url(self.options.url)}, keys {self.namespace}:c:<key>",
+            f"  holds       up to {self.max_entries:,} chunks of {format_size(self.value_bytes)} "
+            f"(header included), counted over all processes",
+            f"  server      its maxmemory must exceed {format_size(self.capacity_bytes)}",
+            f"  expiry      {expiry}",
+        ]
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _chunk_key(self, key: ChunkKey) -> bytes:
+        return self._chunk_prefix + key
+
+    def _ttl_ms(self) -> int:
+        ttl = self.options.ttl
+        return 0 if ttl is None else max(1, round(ttl * 1000))
