@@ -6,7 +6,7 @@ The entry point is `TieredCache.from_config(path_or_dict)`, used with `async wit
 from __future__ import annotations
 
 from kvtiers.cache import CacheState, TieredCache
-from kvtiers.core.config import CacheConfig, TierConfig, load_config
+from kvtiers.core.config import CacheConfig, MetricsConfig, TierConfig, load_config
 from kvtiers.core.errors import (
     CacheStateError,
     ConfigError,
@@ -38,6 +38,7 @@ __all__ = [
     "KVLayout",
     "KVTiersError",
     "LayoutMismatch",
+    "MetricsConfig",
     "TierConfig",
     "TierError",
     "TierFullError",

@@ -1,60 +1,25 @@
-"""Moving chunks through the tier cascade: lookups, loads, stores, eviction, write queues.
+"""Moving chunks through the tier cascade: lookups, loads, stores and clears.
 
-Everything here runs on the cache's event loop, so the index, the policies and the pending
-sets need no locks; the only suspension points are awaits on tiers and queues, and every
-invariant that must hold across one is guarded: reserved blocks are invisible until
-committed, pinned blocks are never reused, and chunks still queued for a write-through tier
-(`_pending`) or being evicted (`_evicting`) are never chosen as victims.
+`Mover` answers the cache's calls on top of the residency bookkeeping (`Residency`) and the
+write-through queues (`WriteQueues`); see those modules for the invariants it relies on.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections import Counter
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from kvtiers._endpoints import Sink, Source
-from kvtiers.core.config import TierConfig
-from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
-from kvtiers.core.index import PrefixIndex
+from kvtiers._residency import Slot, View
+from kvtiers._writes import WriteQueues
 from kvtiers.core.keys import ChunkKey
-from kvtiers.core.layout import KVLayout
-from kvtiers.eviction.base import EvictionPolicy
-from kvtiers.tiers.base import Buffer, Tier
-from kvtiers.tiers.blocks import BlockTier
 
 __all__ = ["Mover", "Slot"]
 
-logger = logging.getLogger("kvtiers")
-
-_T = TypeVar("_T")
-View = Buffer | torch.Tensor
-"""A block view: host bytes (DRAM) or a device tensor (HBM)."""
-_WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
+_CLEAR_BATCH = 1024  # keys per tier call when clearing
 _STAGE_BATCH = 32  # chunks staged in host memory at once when no block is free
-_RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    """One tier in the cascade with the cache's state for it."""
-
-    idx: int
-    """Position, top first; also the tier's bit in index masks."""
-    tier: Tier
-    config: TierConfig
-    policy: EvictionPolicy | None
-    """The cache's eviction policy for it; `None` when the tier evicts by itself."""
-    queue: asyncio.Queue[ChunkKey | None] | None = None
-    """Write-through queue of chunk keys (`None` ends the writer)."""
-    queued: set[ChunkKey] = field(default_factory=set)
-    """Keys in the write-through queue or being written, so a key is queued once."""
 
 
 def _leading(flags: Sequence[bool]) -> int:
@@ -66,66 +31,8 @@ def _leading(flags: Sequence[bool]) -> int:
     return count
 
 
-class Mover:
+class Mover(WriteQueues):
     """Carry out lookups, loads, stores and evictions over the slots of one cache."""
-
-    def __init__(
-        self,
-        layout: KVLayout,
-        index: PrefixIndex,
-        slots: list[Slot],
-        queue_chunks: int,
-        events: EventQueue | None = None,
-    ) -> None:
-        self._layout = layout
-        self._events = events
-        """Where residency changes go; `None` when events are off (nothing is allocated)."""
-        self.miss_reasons: Counter[str] = Counter()
-        """Per lookup or short load, why the first chunk not served was not (see `lookup`)."""
-        # NOTE: a dict as a bounded insertion-ordered set: the oldest key goes first.
-        self._evicted: dict[ChunkKey, None] = {}
-        self._errors = 0  # tier calls failed so far (`_call`)
-        self._drops = 0  # residencies dropped so far (`_drop`)
-        self._index = index
-        self._slots = slots
-        self._queue_chunks = queue_chunks
-        top = slots[0].tier
-        self._memtop: BlockTier[Any] | None = top if isinstance(top, BlockTier) else None
-        self._shared = [s for s in slots if s.tier.shared]
-        # Index bits of tiers whose residency the index knows exactly (the cache evicts them).
-        self._local_bits = sum(1 << s.idx for s in slots if not s.tier.shared)
-        self._through = [s for s in slots[1:] if s.config.write_policy == "write_through"]
-        self._pending: Counter[ChunkKey] = Counter()
-        self._evicting: set[ChunkKey] = set()
-
-    # -- lifecycle ---------------------------------------------------------------------
-
-    def start(self, group: asyncio.TaskGroup) -> None:
-        """Start one background writer per write-through tier in `group`."""
-        for slot in self._through:
-            slot.queue = asyncio.Queue(maxsize=self._queue_chunks)
-            group.create_task(self._writer(slot), name=f"kvtiers-writer-{slot.tier.name}")
-
-    async def drain(self) -> None:
-        """Let every writer finish its queue, then stop."""
-        for slot in self._through:
-            if slot.queue is not None:
-                await slot.queue.put(None)
-        for slot in self._through:
-            if slot.queue is not None:
-                await slot.queue.join()
-
-    async def flush(self) -> None:
-        """Wait until every write-through queue is empty and its writes are done."""
-        for slot in self._through:
-            if slot.queue is not None:
-                await slot.queue.join()
-
-    def queued_chunks(self) -> int:
-        """Return the chunks waiting in write-through queues."""
-        return sum(s.queue.qsize() for s in self._through if s.queue is not None)
-
-    # -- lookup ------------------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """`longest_prefix`, counting in `miss_reasons` why the chunk after the hit was missed.
@@ -171,8 +78,6 @@ class Mover:
                 else:
                     self._drop(slot, rest[j])
         return trusted + _leading(found)
-
-    # -- load --------------------------------------------------------------------------
 
     async def load(self, keys: Sequence[ChunkKey], sink: Sink) -> int:
         """Deliver the leading cached chunks of `keys` to `sink`; return how many.
@@ -222,8 +127,8 @@ class Mover:
         removed = 0
         for slot in self._slots:
             keys = list(self._index.keys_in(slot.idx))
-            for lo in range(0, len(keys), _WRITE_BATCH * 16):
-                part = keys[lo : lo + _WRITE_BATCH * 16]
+            for lo in range(0, len(keys), _CLEAR_BATCH):
+                part = keys[lo : lo + _CLEAR_BATCH]
                 await self._call(slot, slot.tier.delete(part), None)
                 for key in part:
                     self._drop(slot, key)
@@ -231,9 +136,6 @@ class Mover:
                         slot.policy.remove(key)
             removed += len(keys)
         return removed
-
-    def _corrupt_count(self) -> int:
-        return sum(slot.tier.counters.corrupt for slot in self._slots)
 
     async def prefetch(self, keys: Sequence[ChunkKey]) -> int:
         """Promote the cached prefix of `keys` into the top memory tier; return its chunks."""
@@ -351,8 +253,6 @@ class Mover:
             found.extend(flags)
         return found
 
-    # -- store -------------------------------------------------------------------------
-
     async def store(self, keys: Sequence[ChunkKey], source: Source) -> int:
         """Place the chunks of `source` in the top tier and queue write-through copies.
 
@@ -422,191 +322,3 @@ class Mover:
                         if j in left:
                             left.remove(j)
                             placed.append(j)
-
-    async def _enqueue(self, keys: Sequence[ChunkKey], placed: list[int]) -> None:
-        if self._memtop is None:
-            return
-        jobs: list[tuple[Slot, ChunkKey]] = []
-        for slot in self._through:
-            bit = 1 << slot.idx
-            for i in placed:
-                key = keys[i]
-                if not self._index.tiers_of(key) & bit and key not in slot.queued:
-                    slot.queued.add(key)
-                    jobs.append((slot, key))
-        # NOTE: mark every job pending before the first await, so no chunk can be evicted from
-        # the top tier between being placed there and being queued.
-        for _, key in jobs:
-            self._pending[key] += 1
-        queued = 0
-        try:
-            for slot, key in jobs:
-                assert slot.queue is not None
-                await slot.queue.put(key)
-                queued += 1
-        finally:
-            for slot, key in jobs[queued:]:
-                slot.queued.discard(key)
-                self._release_pending(key)
-
-    def _release_pending(self, key: ChunkKey) -> None:
-        self._pending[key] -= 1
-        if self._pending[key] <= 0:
-            del self._pending[key]
-
-    async def _writer(self, slot: Slot) -> None:
-        queue = slot.queue
-        assert queue is not None and self._memtop is not None
-        while True:
-            batch = [await queue.get()]
-            while batch[-1] is not None and len(batch) < _WRITE_BATCH and not queue.empty():
-                batch.append(queue.get_nowait())
-            keys = [key for key in batch if key is not None]
-            try:
-                if keys:
-                    async with self._memtop.pinned(keys) as views:
-                        held = [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
-                        flags = await self._put(slot, [k for k, _ in held], [v for _, v in held])
-                    for (key, _), flag in zip(held, flags, strict=True):
-                        if flag and self._index.mark(key, slot.idx):
-                            self._stored(slot, key)
-            except Exception:  # a writer must outlive any one failed batch
-                logger.exception("kvtiers: write-through to %s failed", slot.tier.name)
-                slot.tier.counters.errors += len(keys)
-            finally:
-                for key in keys:
-                    slot.queued.discard(key)
-                    self._release_pending(key)
-                for _ in batch:
-                    queue.task_done()
-            if batch[-1] is None:
-                return
-
-    # -- eviction ----------------------------------------------------------------------
-
-    async def _put(self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]) -> list[bool]:
-        """Put chunks into a tier, first making room when the cache evicts for it.
-
-        Device views (HBM blocks) are copied to host memory first: tiers take host buffers.
-        """
-        if not keys:
-            return []
-        srcs = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v for v in views]
-        if isinstance(slot.tier, BlockTier):
-            await self._make_room(slot, len(keys), protect=set(keys))
-        flags = await self._call(slot, slot.tier.put(keys, srcs), [False] * len(keys))
-        if slot.policy is not None:
-            for key, flag in zip(reversed(keys), reversed(flags), strict=True):
-                if flag:
-                    slot.policy.insert(key)
-        return flags
-
-    def _record_inserts(self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int]) -> None:
-        for i in idxs:
-            if self._index.add(keys, i, slot.idx):
-                self._stored(slot, keys[i])
-        if slot.policy is not None:
-            for i in reversed(idxs):
-                slot.policy.insert(keys[i])
-
-    async def _make_room(self, slot: Slot, count: int, protect: set[ChunkKey]) -> None:
-        """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go)."""
-        tier, policy = slot.tier, slot.policy
-        if not isinstance(tier, BlockTier) or policy is None:
-            return
-        while (need := count - tier.num_free_chunks) > 0:
-            victims = self._pick_victims(slot, tier, policy, need, protect)
-            if not victims:
-                return
-            await self._evict(slot, tier, victims)
-
-    def _pick_victims(
-        self,
-        slot: Slot,
-        tier: BlockTier[Any],
-        policy: EvictionPolicy,
-        need: int,
-        protect: set[ChunkKey],
-    ) -> list[ChunkKey]:
-        # NOTE: only leaves of this tier go, so no tier holds a suffix without its prefix;
-        # a parent counts as a leaf once all its children in this tier are already picked.
-        gone: Counter[ChunkKey] = Counter()
-        victims: list[ChunkKey] = []
-        for candidate in policy.candidates():
-            key = cast(ChunkKey, candidate)
-            if (
-                key in protect
-                or key in self._evicting
-                or key in self._pending
-                or tier.is_pinned(key)
-                or self._index.children_in(key, slot.idx) > gone[key]
-            ):
-                continue
-            victims.append(key)
-            parent = self._index.parent_of(key)
-            if parent is not None:
-                gone[parent] += 1
-            if len(victims) >= need:
-                break
-        return victims
-
-    async def _evict(self, slot: Slot, tier: BlockTier[Any], victims: list[ChunkKey]) -> None:
-        self._evicting.update(victims)
-        try:
-            below = self._slots[slot.idx + 1] if slot.idx + 1 < len(self._slots) else None
-            if below is not None and below.config.write_policy == "write_back":
-                async with tier.pinned(victims) as views:
-                    held = [(k, v) for k, v in zip(victims, views, strict=True) if v is not None]
-                    flags = await self._put(below, [k for k, _ in held], [v for _, v in held])
-                for (key, _), flag in zip(held, flags, strict=True):
-                    if flag:
-                        if self._index.mark(key, below.idx):
-                            self._stored(below, key)
-                        below.tier.counters.demotions += 1
-            await tier.delete(victims)
-            assert slot.policy is not None
-            for key in victims:
-                self._drop(slot, key)
-                slot.policy.evicted(key)
-            tier.counters.evictions += len(victims)
-        finally:
-            self._evicting.difference_update(victims)
-
-    async def _call(self, slot: Slot, op: Awaitable[_T], default: _T) -> _T:
-        """Await a tier operation, turning a tier failure into `default` (misses).
-
-        Any exception a tier raises counts: a backend error that escaped the tier's own
-        translation must not reach the engine either. Cancellation still propagates.
-        """
-        try:
-            return await op
-        except Exception:
-            logger.warning(
-                "kvtiers: tier %s failed; served as misses", slot.tier.name, exc_info=True
-            )
-            slot.tier.counters.errors += 1
-            self._errors += 1
-            return default
-
-    # -- events ------------------------------------------------------------------------
-
-    def _stored(self, slot: Slot, key: ChunkKey) -> None:
-        """Report that `key` became resident in `slot` (when events are on)."""
-        if self._events is not None:
-            self._events.append(ChunkStored(slot.tier.name, key, self._layout.chunk_size))
-
-    def _drop(self, slot: Slot, key: ChunkKey) -> None:
-        """Forget that `slot` holds `key`: evicted, a stale hint, or found corrupt.
-
-        Only a residency the index knew is reported and remembered as evicted.
-        """
-        if not self._index.discard(key, slot.idx):
-            return
-        self._drops += 1
-        evicted = self._evicted
-        evicted.pop(key, None)
-        evicted[key] = None
-        if len(evicted) > _RECENTLY_EVICTED:
-            del evicted[next(iter(evicted))]
-        if self._events is not None:
-            self._events.append(ChunkRemoved(slot.tier.name, key, self._layout.chunk_size))

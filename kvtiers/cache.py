@@ -34,6 +34,7 @@ from kvtiers.eviction import available_policies, make_policy
 from kvtiers.gpu.copy_engine import CopyEngine
 from kvtiers.gpu.paged import PagedKV
 from kvtiers.gpu.pinned import pinned_allocator
+from kvtiers.metrics import MetricsServer
 from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.dram import MemoryTier
 from kvtiers.tiers.registry import TierRegistry
@@ -91,6 +92,7 @@ class TieredCache:
         self._state = CacheState.UNOPENED
         self._stack = AsyncExitStack()
         self._engines: dict[torch.device, CopyEngine] = {}
+        self._metrics: MetricsServer | None = None
         self._counts: dict[str, float] = dict.fromkeys(
             (
                 "lookups",
@@ -125,6 +127,17 @@ class TieredCache:
         return cls(config, layout=layout, registry=registry)
 
     @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus endpoint (`[metrics]` in the config), once open; else `None`."""
+        return self._metrics.url if self._metrics is not None else None
+
+    def _metric_labels(self) -> dict[str, str]:
+        return {"model": self.layout.model, "tp_rank": str(self.layout.tp_rank)}
+
+    async def _snapshot(self) -> CacheStats:
+        return self.stats()
+
+    @property
     def state(self) -> CacheState:
         """The lifecycle state."""
         return self._state
@@ -147,6 +160,10 @@ class TieredCache:
                 await self._stack.enter_async_context(slot.tier)
             group = await self._stack.enter_async_context(asyncio.TaskGroup())
             self._mover.start(group)
+            if self.config.metrics is not None:
+                self._metrics = await self._stack.enter_async_context(
+                    MetricsServer(self.config.metrics, self._snapshot, self._metric_labels())
+                )
         except BaseException:
             await self._stack.aclose()
             self._state = CacheState.CLOSED

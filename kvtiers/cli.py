@@ -110,6 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(run=_run_explain)
     _add_remote_parser(commands)
     _add_inspect_parser(commands)
+    _add_stats_parser(commands)
     add_replay_commands(commands)
     return parser
 
@@ -384,6 +385,28 @@ def _run_inspect(args: argparse.Namespace) -> int:
     result = inspect(args.target, verify=args.verify, storage_options=options)
     print(to_json(result) if args.json else "\n".join(format_text(result)))
     return 1 if result.bad else 0
+
+
+# -- stats -----------------------------------------------------------------------------
+
+
+def _add_stats_parser(commands: Any) -> None:
+    stats = commands.add_parser(
+        "stats", help="hit rate, miss reasons and tiers of a running cache (its metrics URL)"
+    )
+    stats.add_argument(
+        "url", metavar="URL", help="the cache's metrics endpoint, e.g. 127.0.0.1:9400"
+    )
+    stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.set_defaults(run=_run_stats)
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    from kvtiers._cli_stats import fetch_stats, format_stats, to_json
+
+    result = fetch_stats(args.url)
+    print(to_json(result) if args.json else "\n".join(format_stats(result)))
+    return 0
 
 
 # -- remote ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ def test_exported_members():
         "KVLayout",
         "KVTiersError",
         "LayoutMismatch",
+        "MetricsConfig",
         "TierConfig",
         "TierError",
         "TierFullError",

@@ -6,6 +6,7 @@ bad field (`tiers[1].capacity: ...`) and says what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tomllib
@@ -18,7 +19,15 @@ from typing import Any, Literal
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 
-__all__ = ["CacheConfig", "TierConfig", "WritePolicy", "format_size", "load_config", "parse_size"]
+__all__ = [
+    "CacheConfig",
+    "MetricsConfig",
+    "TierConfig",
+    "WritePolicy",
+    "format_size",
+    "load_config",
+    "parse_size",
+]
 
 WritePolicy = Literal["write_through", "write_back"]
 _WRITE_POLICIES = ("write_through", "write_back")
@@ -101,6 +110,16 @@ class TierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Where the cache serves its Prometheus metrics (`[metrics]` in the config)."""
+
+    port: int
+    """TCP port of the HTTP endpoint; 0 picks a free one (`TieredCache.metrics_url`)."""
+    host: str = "127.0.0.1"
+    """Address to listen on; `0.0.0.0` exposes it beyond this machine."""
+
+
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     """A whole cache: the layout (unless an adapter supplies it) and the tier cascade."""
 
@@ -112,10 +131,12 @@ class CacheConfig:
     """Chunks queued per write-through tier before `store` waits (back-pressure)."""
     events: int = 0
     """Capacity of the KV event queue (`TieredCache.take_events`); 0 turns events off."""
+    metrics: MetricsConfig | None = None
+    """The Prometheus endpoint; `None` serves none."""
 
     def with_layout(self, layout: KVLayout) -> CacheConfig:
         """Return a copy of this config with `layout` set."""
-        return CacheConfig(self.tiers, layout, self.write_queue_chunks, self.events)
+        return dataclasses.replace(self, layout=layout)
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> CacheConfig:
@@ -171,10 +192,11 @@ def _read_file(path: Path) -> Mapping[str, Any]:
 
 
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
-    unknown = sorted(set(data) - {"layout", "tiers", "write_queue_chunks", "events"})
+    unknown = sorted(set(data) - {"layout", "tiers", "write_queue_chunks", "events", "metrics"})
     if unknown:
         raise ConfigError(
-            f"{unknown[0]}: unknown key; expected layout, tiers, write_queue_chunks, events"
+            f"{unknown[0]}: unknown key; expected layout, tiers, write_queue_chunks, events, "
+            f"metrics"
         )
     layout = None
     if "layout" in data:
@@ -202,7 +224,23 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
             f"events: expected an integer >= 0 (the event queue's capacity; 0 is off), "
             f"got {events!r}"
         )
-    return CacheConfig(tiers, layout, depth, events)
+    metrics = _parse_metrics(data["metrics"]) if "metrics" in data else None
+    return CacheConfig(tiers, layout, depth, events, metrics)
+
+
+def _parse_metrics(raw: object) -> MetricsConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("metrics: expected a table with a port")
+    unknown = sorted(set(raw) - {"port", "host"})
+    if unknown:
+        raise ConfigError(f"metrics.{unknown[0]}: unknown key; expected port, host")
+    port = raw.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"metrics.port: expected a TCP port 0-65535, got {port!r}")
+    host = raw.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"metrics.host: expected an address, got {host!r}")
+    return MetricsConfig(port, host)
 
 
 def _parse_tier(i: int, raw: object) -> TierConfig:

@@ -253,12 +253,7 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
         """Read each transfer's pages into its host pool (the KV pool only)."""
-        return {
-            t.name: self._transfer(
-                "batch_get_v2", t.name, t.keys or [], t.host_indices, extra_info, False
-            )
-            for t in transfers
-        }
+        return self._transfers("batch_get_v2", transfers, extra_info, write=False)
 
     def batch_set_v2(
         self,
@@ -266,10 +261,13 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
         """Store each transfer's pages from its host pool (the KV pool only)."""
+        return self._transfers("batch_set_v2", transfers, extra_info, write=True)
+
+    def _transfers(
+        self, op: str, transfers: list[PoolTransfer], extra_info: Any, *, write: bool
+    ) -> dict[str, list[bool]]:
         return {
-            t.name: self._transfer(
-                "batch_set_v2", t.name, t.keys or [], t.host_indices, extra_info, True
-            )
+            t.name: self._transfer(op, t.name, t.keys or [], t.host_indices, extra_info, write)
             for t in transfers
         }
 

@@ -1,0 +1,230 @@
+"""The cache's residency bookkeeping: slots, eviction, tier calls and residency events.
+
+`Residency` holds the state every part of the cascade shares (the index, the slots with their
+policies, the pending and evicting sets) and the operations that change where a chunk is
+resident: putting into a tier (making room first), evicting leaves, dropping stale hints.
+`WriteQueues` and `Mover` build on it.
+
+Everything here runs on the cache's event loop, so the index, the policies and the pending
+sets need no locks; the only suspension points are awaits on tiers and queues, and every
+invariant that must hold across one is guarded: reserved blocks are invisible until
+committed, pinned blocks are never reused, and chunks still queued for a write-through tier
+(`_pending`) or being evicted (`_evicting`) are never chosen as victims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+import torch
+
+from kvtiers._logs import RateLimitedLog
+from kvtiers.core.config import TierConfig
+from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
+from kvtiers.core.index import PrefixIndex
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.eviction.base import EvictionPolicy
+from kvtiers.tiers.base import Buffer, Tier
+from kvtiers.tiers.blocks import BlockTier
+
+__all__ = ["Residency", "Slot", "View"]
+
+logger = logging.getLogger("kvtiers")
+
+_T = TypeVar("_T")
+View = Buffer | torch.Tensor
+"""A block view: host bytes (DRAM) or a device tensor (HBM)."""
+_RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One tier in the cascade with the cache's state for it."""
+
+    idx: int
+    """Position, top first; also the tier's bit in index masks."""
+    tier: Tier
+    config: TierConfig
+    policy: EvictionPolicy | None
+    """The cache's eviction policy for it; `None` when the tier evicts by itself."""
+    queue: asyncio.Queue[ChunkKey | None] | None = None
+    """Write-through queue of chunk keys (`None` ends the writer)."""
+    queued: set[ChunkKey] = field(default_factory=set)
+    """Keys in the write-through queue or being written, so a key is queued once."""
+
+
+class Residency:
+    """Where each chunk is resident, and the operations that change it."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        index: PrefixIndex,
+        slots: list[Slot],
+        queue_chunks: int,
+        events: EventQueue | None = None,
+    ) -> None:
+        self._layout = layout
+        self._events = events
+        """Where residency changes go; `None` when events are off (nothing is allocated)."""
+        self.miss_reasons: Counter[str] = Counter()
+        """Per lookup or short load, why the first chunk not served was not (see `lookup`)."""
+        # NOTE: a dict as a bounded insertion-ordered set: the oldest key goes first.
+        self._evicted: dict[ChunkKey, None] = {}
+        self._errors = 0  # tier calls failed so far (`_call`)
+        self._log = RateLimitedLog(logger)
+        self._drops = 0  # residencies dropped so far (`_drop`)
+        self._index = index
+        self._slots = slots
+        self._queue_chunks = queue_chunks
+        top = slots[0].tier
+        self._memtop: BlockTier[Any] | None = top if isinstance(top, BlockTier) else None
+        self._shared = [s for s in slots if s.tier.shared]
+        # Index bits of tiers whose residency the index knows exactly (the cache evicts them).
+        self._local_bits = sum(1 << s.idx for s in slots if not s.tier.shared)
+        self._through = [s for s in slots[1:] if s.config.write_policy == "write_through"]
+        self._pending: Counter[ChunkKey] = Counter()
+        self._evicting: set[ChunkKey] = set()
+
+    def _corrupt_count(self) -> int:
+        return sum(slot.tier.counters.corrupt for slot in self._slots)
+
+    def _release_pending(self, key: ChunkKey) -> None:
+        self._pending[key] -= 1
+        if self._pending[key] <= 0:
+            del self._pending[key]
+
+    async def _put(self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]) -> list[bool]:
+        """Put chunks into a tier, first making room when the cache evicts for it.
+
+        Device views (HBM blocks) are copied to host memory first: tiers take host buffers.
+        """
+        if not keys:
+            return []
+        srcs = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v for v in views]
+        if isinstance(slot.tier, BlockTier):
+            await self._make_room(slot, len(keys), protect=set(keys))
+        flags = await self._call(slot, slot.tier.put(keys, srcs), [False] * len(keys))
+        if slot.policy is not None:
+            for key, flag in zip(reversed(keys), reversed(flags), strict=True):
+                if flag:
+                    slot.policy.insert(key)
+        return flags
+
+    def _record_inserts(self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int]) -> None:
+        for i in idxs:
+            if self._index.add(keys, i, slot.idx):
+                self._stored(slot, keys[i])
+        if slot.policy is not None:
+            for i in reversed(idxs):
+                slot.policy.insert(keys[i])
+
+    async def _make_room(self, slot: Slot, count: int, protect: set[ChunkKey]) -> None:
+        """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go)."""
+        tier, policy = slot.tier, slot.policy
+        if not isinstance(tier, BlockTier) or policy is None:
+            return
+        while (need := count - tier.num_free_chunks) > 0:
+            victims = self._pick_victims(slot, tier, policy, need, protect)
+            if not victims:
+                return
+            await self._evict(slot, tier, victims)
+
+    def _pick_victims(
+        self,
+        slot: Slot,
+        tier: BlockTier[Any],
+        policy: EvictionPolicy,
+        need: int,
+        protect: set[ChunkKey],
+    ) -> list[ChunkKey]:
+        # NOTE: only leaves of this tier go, so no tier holds a suffix without its prefix;
+        # a parent counts as a leaf once all its children in this tier are already picked.
+        gone: Counter[ChunkKey] = Counter()
+        victims: list[ChunkKey] = []
+        for candidate in policy.candidates():
+            key = cast(ChunkKey, candidate)
+            if (
+                key in protect
+                or key in self._evicting
+                or key in self._pending
+                or tier.is_pinned(key)
+                or self._index.children_in(key, slot.idx) > gone[key]
+            ):
+                continue
+            victims.append(key)
+            parent = self._index.parent_of(key)
+            if parent is not None:
+                gone[parent] += 1
+            if len(victims) >= need:
+                break
+        return victims
+
+    async def _evict(self, slot: Slot, tier: BlockTier[Any], victims: list[ChunkKey]) -> None:
+        self._evicting.update(victims)
+        try:
+            below = self._slots[slot.idx + 1] if slot.idx + 1 < len(self._slots) else None
+            if below is not None and below.config.write_policy == "write_back":
+                async with tier.pinned(victims) as views:
+                    held = [(k, v) for k, v in zip(victims, views, strict=True) if v is not None]
+                    flags = await self._put(below, [k for k, _ in held], [v for _, v in held])
+                for (key, _), flag in zip(held, flags, strict=True):
+                    if flag:
+                        if self._index.mark(key, below.idx):
+                            self._stored(below, key)
+                        below.tier.counters.demotions += 1
+            await tier.delete(victims)
+            assert slot.policy is not None
+            for key in victims:
+                self._drop(slot, key)
+                slot.policy.evicted(key)
+            tier.counters.evictions += len(victims)
+        finally:
+            self._evicting.difference_update(victims)
+
+    async def _call(self, slot: Slot, op: Awaitable[_T], default: _T) -> _T:
+        """Await a tier operation, turning a tier failure into `default` (misses).
+
+        Any exception a tier raises counts: a backend error that escaped the tier's own
+        translation must not reach the engine either. Cancellation still propagates.
+        """
+        try:
+            return await op
+        except Exception as exc:
+            self._log.warning(
+                slot.tier.name,
+                "kvtiers: tier %s failed (%s); served as misses",
+                slot.tier.name,
+                type(exc).__name__,
+                exc=exc,
+            )
+            slot.tier.counters.errors += 1
+            self._errors += 1
+            return default
+
+    def _stored(self, slot: Slot, key: ChunkKey) -> None:
+        """Report that `key` became resident in `slot` (when events are on)."""
+        if self._events is not None:
+            self._events.append(ChunkStored(slot.tier.name, key, self._layout.chunk_size))
+
+    def _drop(self, slot: Slot, key: ChunkKey) -> None:
+        """Forget that `slot` holds `key`: evicted, a stale hint, or found corrupt.
+
+        Only a residency the index knew is reported and remembered as evicted.
+        """
+        if not self._index.discard(key, slot.idx):
+            return
+        self._drops += 1
+        evicted = self._evicted
+        evicted.pop(key, None)
+        evicted[key] = None
+        if len(evicted) > _RECENTLY_EVICTED:
+            del evicted[next(iter(evicted))]
+        if self._events is not None:
+            self._events.append(ChunkRemoved(slot.tier.name, key, self._layout.chunk_size))

@@ -1,0 +1,104 @@
+"""Write-through queues: one bounded queue and one writer task per write-through tier."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvtiers._residency import Residency, Slot
+from kvtiers.core.keys import ChunkKey
+
+__all__ = ["WriteQueues"]
+
+logger = logging.getLogger("kvtiers")
+
+_WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
+
+
+class WriteQueues(Residency):
+    """Copy chunks placed in the top tier to every write-through tier, in the background.
+
+    `store` enqueues keys (waiting when a queue is full: back-pressure); each writer takes
+    batches, pins their top-tier blocks and puts them into its tier. A key is pending
+    (never evicted from the top tier) until its copy is written or has failed.
+    """
+
+    def start(self, group: asyncio.TaskGroup) -> None:
+        """Start one background writer per write-through tier in `group`."""
+        for slot in self._through:
+            slot.queue = asyncio.Queue(maxsize=self._queue_chunks)
+            group.create_task(self._writer(slot), name=f"kvtiers-writer-{slot.tier.name}")
+
+    async def drain(self) -> None:
+        """Let every writer finish its queue, then stop."""
+        for slot in self._through:
+            if slot.queue is not None:
+                await slot.queue.put(None)
+        for slot in self._through:
+            if slot.queue is not None:
+                await slot.queue.join()
+
+    async def flush(self) -> None:
+        """Wait until every write-through queue is empty and its writes are done."""
+        for slot in self._through:
+            if slot.queue is not None:
+                await slot.queue.join()
+
+    def queued_chunks(self) -> int:
+        """Return the chunks waiting in write-through queues."""
+        return sum(s.queue.qsize() for s in self._through if s.queue is not None)
+
+    async def _enqueue(self, keys: Sequence[ChunkKey], placed: list[int]) -> None:
+        if self._memtop is None:
+            return
+        jobs: list[tuple[Slot, ChunkKey]] = []
+        for slot in self._through:
+            bit = 1 << slot.idx
+            for i in placed:
+                key = keys[i]
+                if not self._index.tiers_of(key) & bit and key not in slot.queued:
+                    slot.queued.add(key)
+                    jobs.append((slot, key))
+        # NOTE: mark every job pending before the first await, so no chunk can be evicted from
+        # the top tier between being placed there and being queued.
+        for _, key in jobs:
+            self._pending[key] += 1
+        queued = 0
+        try:
+            for slot, key in jobs:
+                assert slot.queue is not None
+                await slot.queue.put(key)
+                queued += 1
+        finally:
+            for slot, key in jobs[queued:]:
+                slot.queued.discard(key)
+                self._release_pending(key)
+
+    async def _writer(self, slot: Slot) -> None:
+        queue = slot.queue
+        assert queue is not None and self._memtop is not None
+        while True:
+            batch = [await queue.get()]
+            while batch[-1] is not None and len(batch) < _WRITE_BATCH and not queue.empty():
+                batch.append(queue.get_nowait())
+            keys = [key for key in batch if key is not None]
+            try:
+                if keys:
+                    async with self._memtop.pinned(keys) as views:
+                        held = [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
+                        flags = await self._put(slot, [k for k, _ in held], [v for _, v in held])
+                    for (key, _), flag in zip(held, flags, strict=True):
+                        if flag and self._index.mark(key, slot.idx):
+                            self._stored(slot, key)
+            except Exception:  # a writer must outlive any one failed batch
+                logger.exception("kvtiers: write-through to %s failed", slot.tier.name)
+                slot.tier.counters.errors += len(keys)
+            finally:
+                for key in keys:
+                    slot.queued.discard(key)
+                    self._release_pending(key)
+                for _ in batch:
+                    queue.task_done()
+            if batch[-1] is None:
+                return

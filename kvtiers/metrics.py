@@ -1,0 +1,183 @@
+"""Prometheus metrics of a `TieredCache`, served over HTTP (`[metrics] port = 9400`).
+
+Nothing is counted twice: the collector reads `TieredCache.stats()` when Prometheus scrapes
+(on the cache's event loop, so the snapshot is consistent), so metrics cost the hot path
+nothing. Every counter of `CacheStats` and of each tier's `TierStats` becomes a metric;
+see docs/operations.md for the list and what each means.
+
+`prometheus-client` is an optional dependency (`pip install kvtiers[metrics]`): without it
+a config that asks for metrics logs one warning and the cache runs without an endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from types import TracebackType
+from typing import Any, Self
+
+from kvtiers.core.config import MetricsConfig
+from kvtiers.core.stats import CacheStats, TierStats
+
+__all__ = ["MetricsServer", "metric_families"]
+
+logger = logging.getLogger("kvtiers.metrics")
+
+# CacheStats counters exported as `kvtiers_<name>_total`, with their help text.
+_CACHE_COUNTERS = {
+    "lookups": "Lookups (lookup and lookup_keys calls).",
+    "lookup_tokens": "Tokens asked about by lookups.",
+    "hit_tokens": "Tokens of the cached prefixes lookups found.",
+    "loads": "Loads (load, load_paged, get_chunks calls).",
+    "loaded_tokens": "Tokens delivered by loads.",
+    "loaded_bytes": "Bytes delivered by loads.",
+    "load_seconds": "Seconds spent in loads.",
+    "stores": "Stores (store, store_paged, put_chunks calls).",
+    "stored_tokens": "Tokens newly stored (chunks no tier held before).",
+    "events_dropped": "KV events dropped because the event queue was full.",
+}
+# TierStats fields that are not counters.
+_TIER_SKIP = {"name", "kind", "usage"}
+_SCRAPE_TIMEOUT_S = 5.0
+
+
+def metric_families(stats: CacheStats, labels: dict[str, str]) -> Iterator[Any]:
+    """Yield the Prometheus metric families of one stats snapshot.
+
+    Args:
+        stats: the snapshot (`TieredCache.stats()`).
+        labels: constant labels of this cache (the model, the TP rank).
+    """
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    names, values = list(labels), list(labels.values())
+    for field, text in _CACHE_COUNTERS.items():
+        family = CounterMetricFamily(f"kvtiers_{field}", text, labels=names)
+        family.add_metric(values, float(getattr(stats, field)))
+        yield family
+    misses = CounterMetricFamily(
+        "kvtiers_misses",
+        "Lookups and short loads, by why the first chunk not served was not.",
+        labels=[*names, "reason"],
+    )
+    for reason, count in sorted(stats.miss_reasons.items()):
+        misses.add_metric([*values, reason], float(count))
+    yield misses
+    queue = GaugeMetricFamily(
+        "kvtiers_write_queue_chunks", "Chunks waiting for write-through tiers.", labels=names
+    )
+    queue.add_metric(values, float(stats.write_queue_chunks))
+    yield queue
+    yield from _tier_families(stats.tiers, names, values)
+
+
+def _tier_families(tiers: tuple[TierStats, ...], names: list[str], values: list[str]) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    tier_names = [*names, "tier", "kind"]
+    fields = [f.name for f in dataclasses.fields(TierStats) if f.name not in _TIER_SKIP]
+    for field in fields:
+        family = CounterMetricFamily(
+            f"kvtiers_tier_{field}", f"Per tier: {field.replace('_', ' ')}.", labels=tier_names
+        )
+        for tier in tiers:
+            family.add_metric([*values, tier.name, tier.kind], float(getattr(tier, field)))
+        yield family
+    usage = {
+        "capacity_bytes": "Per tier: configured capacity in bytes.",
+        "used_bytes": "Per tier: bytes held now.",
+        "num_entries": "Per tier: chunks held now.",
+    }
+    for field, text in usage.items():
+        gauge = GaugeMetricFamily(f"kvtiers_tier_{field}", text, labels=tier_names)
+        for tier in tiers:
+            gauge.add_metric([*values, tier.name, tier.kind], float(getattr(tier.usage, field)))
+        yield gauge
+
+
+class _Collector:
+    """Read a snapshot on the cache's loop at each scrape."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], Coroutine[Any, Any, CacheStats]],
+        loop: asyncio.AbstractEventLoop,
+        labels: dict[str, str],
+    ) -> None:
+        self._snapshot = snapshot
+        self._loop = loop
+        self._labels = labels
+
+    def collect(self) -> Iterator[Any]:
+        if self._loop.is_closed():
+            return
+        snapshot: Coroutine[Any, Any, CacheStats] = self._snapshot()
+        future = asyncio.run_coroutine_threadsafe(snapshot, self._loop)
+        yield from metric_families(future.result(_SCRAPE_TIMEOUT_S), self._labels)
+
+
+class MetricsServer:
+    """An HTTP endpoint serving one cache's metrics; an async context manager.
+
+    Args:
+        config: where to listen.
+        snapshot: returns the cache's stats; awaited on the cache's loop.
+        labels: constant labels of this cache.
+    """
+
+    def __init__(
+        self,
+        config: MetricsConfig,
+        snapshot: Callable[[], Coroutine[Any, Any, CacheStats]],
+        labels: dict[str, str],
+    ) -> None:
+        self.config = config
+        self._snapshot = snapshot
+        self._labels = labels
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.url: str | None = None
+        """`http://host:port/metrics` once started; `None` when not serving."""
+
+    async def __aenter__(self) -> Self:
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError:
+            logger.warning(
+                "kvtiers: metrics asked for, but prometheus-client is not installed "
+                "(pip install kvtiers[metrics]); no endpoint is served"
+            )
+            return self
+        registry = CollectorRegistry(auto_describe=False)
+        collector = _Collector(self._snapshot, asyncio.get_running_loop(), self._labels)
+        registry.register(collector)
+        self._server, self._thread = start_http_server(
+            self.config.port, self.config.host, registry=registry
+        )
+        port = self._server.server_port
+        self.url = f"http://{self.config.host}:{port}/metrics"
+        logger.info("kvtiers: metrics on %s", self.url)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop serving; idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            # NOTE: shutdown waits for the serving thread; run it off the loop, since a
+            # scrape in flight waits on the loop for its snapshot.
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()
+            if self._thread is not None:
+                await asyncio.to_thread(self._thread.join, 5.0)
+        self.url = None

@@ -1,0 +1,123 @@
+"""Prometheus metrics, scraped over HTTP from the endpoint a config starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+from kvtiers import ConfigError, TieredCache, load_config
+from tests.conftest import make_config, make_kv
+
+parser = pytest.importorskip("prometheus_client.parser")
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model"))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def metrics_config(**kw):
+    return {**make_config(**kw), "metrics": {"port": 0}}
+
+
+async def test_known_workload_gives_exact_counters(layout):
+    async with TieredCache.from_config(metrics_config(dram_chunks=4)) as cache:
+        assert cache.metrics_url is not None
+        tokens = list(range(64))  # 4 chunks of 16
+        await cache.store(tokens, make_kv(layout, 64))
+        assert await cache.lookup(tokens) == 64  # a hit: no miss reason
+        assert await cache.lookup(list(range(1000, 1032))) == 0  # never stored
+        await cache.store(list(range(500, 532)), make_kv(layout, 32))  # evicts 2 chunks
+        assert await cache.lookup(tokens) < 64  # evicted
+        await cache.load(tokens[:16])
+        got = await asyncio.to_thread(scrape, cache.metrics_url)
+    tier = (("kind", "dram"), ("tier", "dram"), ("tp_rank", "0"))
+    assert got[("kvtiers_lookups_total", (("tp_rank", "0"),))] == 3
+    assert got[("kvtiers_hit_tokens_total", (("tp_rank", "0"),))] == 64 + 32
+    assert got[("kvtiers_stores_total", (("tp_rank", "0"),))] == 2
+    assert got[("kvtiers_stored_tokens_total", (("tp_rank", "0"),))] == 96
+    assert got[("kvtiers_loads_total", (("tp_rank", "0"),))] == 1
+    assert got[("kvtiers_misses_total", (("reason", "never_stored"), ("tp_rank", "0")))] == 1
+    assert got[("kvtiers_misses_total", (("reason", "evicted"), ("tp_rank", "0")))] == 1
+    assert got[("kvtiers_tier_evictions_total", tier)] == 2
+    assert got[("kvtiers_tier_num_entries", tier)] == 4
+    assert got[("kvtiers_tier_capacity_bytes", tier)] == 4 * layout.chunk_bytes
+    assert got[("kvtiers_write_queue_chunks", (("tp_rank", "0"),))] == 0
+
+
+async def test_every_tier_is_labelled(tmp_path, layout):
+    async with TieredCache.from_config(metrics_config(tmp_path=tmp_path, lmdb_chunks=64)) as cache:
+        await cache.store(list(range(32)), make_kv(layout, 32))
+        await cache.flush()
+        got = await asyncio.to_thread(scrape, cache.metrics_url)
+    lmdb = (("kind", "lmdb"), ("tier", "lmdb"), ("tp_rank", "0"))
+    assert got[("kvtiers_tier_puts_total", lmdb)] == 2
+    assert got[("kvtiers_tier_num_entries", lmdb)] == 2
+
+
+async def test_endpoint_stops_with_the_cache(layout):
+    cache = TieredCache.from_config(metrics_config())
+    async with cache:
+        url = cache.metrics_url
+        assert url is not None
+    assert cache.metrics_url is None
+    with pytest.raises(OSError):
+        await asyncio.to_thread(urllib.request.urlopen, url, None, 2)
+
+
+async def test_no_metrics_table_serves_nothing(layout):
+    async with TieredCache.from_config(make_config()) as cache:
+        assert cache.metrics_url is None
+
+
+@pytest.mark.parametrize(
+    "metrics, field",
+    [
+        ({"port": -1}, "metrics.port"),
+        ({"port": "9400"}, "metrics.port"),
+        ({"port": 9400, "bind": "x"}, "metrics.bind"),
+        ({"port": 9400, "host": ""}, "metrics.host"),
+        (9400, "metrics"),
+    ],
+)
+def test_bad_metrics_config_names_the_field(metrics, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config({**make_config(), "metrics": metrics})
+
+
+async def test_stats_cli_reads_a_running_cache(layout, capsys):
+    from kvtiers.cli import main
+
+    async with TieredCache.from_config(metrics_config(dram_chunks=4)) as cache:
+        tokens = list(range(64))
+        await cache.store(tokens, make_kv(layout, 64))
+        await cache.lookup(tokens)
+        await cache.lookup(list(range(1000, 1032)))
+        url = cache.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        assert await asyncio.to_thread(main, ["stats", url]) == 0
+        text = capsys.readouterr().out
+        assert await asyncio.to_thread(main, ["stats", "--json", cache.metrics_url]) == 0
+        data = json.loads(capsys.readouterr().out)
+    assert "hit rate 66.7% (64 of 96 tokens)" in text
+    assert "misses: never_stored 1" in text
+    assert "dram" in text
+    (only,) = data["caches"]
+    assert only["lookups"] == 2 and only["misses"] == {"never_stored": 1.0}
+    assert only["tiers"]["dram"]["num_entries"] == 4
+
+
+def test_stats_cli_unreachable_endpoint_fails_cleanly(capsys):
+    from kvtiers.cli import main
+    from tests.tiers.conftest import free_port
+
+    assert main(["stats", f"127.0.0.1:{free_port()}"]) == 1
+    assert "cannot read" in capsys.readouterr().err
