@@ -28,10 +28,15 @@ import enum
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 import xxhash
+
+from kvtiers.core.stats import TierCounters
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,8 +44,10 @@ __all__ = [
     "Header",
     "Verdict",
     "check_header",
+    "check_into",
     "check_layer",
     "check_value",
+    "count_verdicts",
     "compute_tag",
     "header_bytes",
     "pack_value",
@@ -323,3 +330,32 @@ def check_layer(header: Header, layer: int, data: Bytes) -> bool:
         memoryview(data).nbytes == header.payload_len // num_layers
         and xxhash.xxh3_64_digest(data) == want
     )
+
+
+def check_into(
+    raw: Bytes,
+    dst: npt.NDArray[np.uint8],
+    *,
+    fingerprint: bytes,
+    key: bytes,
+    payload_len: int,
+    auth_key: bytes | None = None,
+) -> Verdict:
+    """Verify a stored value and copy its payload into `dst` when it is `Verdict.OK`.
+
+    Nothing reaches `dst` unless the whole value checked out.
+    """
+    verdict, payload = check_value(
+        raw, fingerprint=fingerprint, key=key, payload_len=payload_len, auth_key=auth_key
+    )
+    if payload is not None:
+        np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
+    return verdict
+
+
+def count_verdicts(counters: TierCounters, verdicts: Sequence[Verdict | None]) -> None:
+    """Add the bad entries among `verdicts` to a tier's counters (forged ones are corrupt too)."""
+    forged = verdicts.count(Verdict.FORGED)
+    counters.corrupt += verdicts.count(Verdict.CORRUPT) + forged
+    counters.forged += forged
+    counters.foreign += verdicts.count(Verdict.FOREIGN)

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvtiers.core.config import TierConfig, parse_size
 from kvtiers.core.errors import ConfigError
+from kvtiers.tiers._integrity import OPTION_NAMES as INTEGRITY_OPTIONS
 from kvtiers.tiers.base import check_option_keys
 
 __all__ = ["MooncakeOptions", "RedisOptions"]
@@ -21,10 +22,12 @@ REDIS_MAX_VALUE_BYTES = 512 * _MiB
 _BREAKER = ("breaker_cooldown", "breaker_failures")
 _REDIS_OPTIONS = (
     *_BREAKER,
+    *INTEGRITY_OPTIONS,
     *("max_connections", "max_value_bytes", "prefix", "retries", "timeout", "ttl", "url"),
 )
 _MOONCAKE_OPTIONS = (
     *_BREAKER,
+    *INTEGRITY_OPTIONS,
     *("buffer_size", "local_hostname", "master", "max_in_flight", "metadata", "protocol"),
     *("prefix", "replicas", "segment_size", "timeout"),
 )

@@ -39,6 +39,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
+from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._mooncake_io import (
     LOST,
     NOT_FOUND,
@@ -82,7 +83,10 @@ class MooncakeTier(Tier):
         super().__init__(config, layout)
         self.options = options = MooncakeOptions.from_config(config)
         self._fingerprint = layout.fingerprint
-        self.value_bytes = fmt.value_bytes(self._fingerprint, layout.chunk_bytes)
+        self._auth_key = auth_key_from_config(config)
+        self.value_bytes = fmt.value_bytes(
+            self._fingerprint, layout.chunk_bytes, tagged=self._auth_key is not None
+        )
         """Bytes of one stored value (header and payload)."""
         if self.capacity_bytes < self.value_bytes:
             raise ConfigError(
@@ -228,8 +232,7 @@ class MooncakeTier(Tier):
         verdicts = [verdict for part in found for verdict in part]
         hits = [verdict is Verdict.OK for verdict in verdicts]
         bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, Verdict.OK)]
-        self.counters.corrupt += verdicts.count(Verdict.CORRUPT)
-        self.counters.foreign += verdicts.count(Verdict.FOREIGN)
+        fmt.count_verdicts(self.counters, verdicts)
         self.counters.hits += sum(hits)
         self.counters.misses += len(keys) - sum(hits)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
@@ -285,12 +288,14 @@ class MooncakeTier(Tier):
             return verdicts
 
     def _check_and_copy(self, key: ChunkKey, raw: memoryview, dst: Buffer) -> Verdict:
-        verdict, payload = fmt.check_value(
-            raw, fingerprint=self._fingerprint, key=key, payload_len=self.layout.chunk_bytes
+        return fmt.check_into(
+            raw,
+            dst,
+            fingerprint=self._fingerprint,
+            key=key,
+            payload_len=self.layout.chunk_bytes,
+            auth_key=self._auth_key,
         )
-        if payload is not None:  # verified before a byte reaches the destination
-            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
-        return verdict
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -358,7 +363,9 @@ class MooncakeTier(Tier):
         async with self._staging.region(self.options.timeout) as region:
             for i, key in enumerate(keys):
                 payload = np.ascontiguousarray(sources[key]).reshape(-1)
-                value = fmt.pack_value(self._fingerprint, key, payload.data)
+                value = fmt.pack_value(
+                    self._fingerprint, key, payload.data, auth_key=self._auth_key
+                )
                 region.slot(i)[: len(value)] = np.frombuffer(value, np.uint8)
             names = [self._name(key) for key in keys]
             ptrs = [region.address(i) for i in range(len(keys))]

@@ -47,6 +47,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
+from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._pool_guard import StoreGuard, StoreUnavailable, check_keys
 from kvtiers.tiers._pool_options import RedisOptions
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
@@ -142,7 +143,10 @@ class RedisTier(Tier):
         super().__init__(config, layout)
         self.options = RedisOptions.from_config(config)
         self._fingerprint = layout.fingerprint
-        self.value_bytes = fmt.value_bytes(self._fingerprint, layout.chunk_bytes)
+        self._auth_key = auth_key_from_config(config)
+        self.value_bytes = fmt.value_bytes(
+            self._fingerprint, layout.chunk_bytes, tagged=self._auth_key is not None
+        )
         """Bytes of one stored value (header and payload)."""
         if self.value_bytes > self.options.max_value_bytes:
             raise ConfigError(
@@ -255,8 +259,7 @@ class RedisTier(Tier):
         verdicts = [verdict for part in found for verdict in part]
         hits = [verdict is Verdict.OK for verdict in verdicts]
         bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, Verdict.OK)]
-        self.counters.corrupt += verdicts.count(Verdict.CORRUPT)
-        self.counters.foreign += verdicts.count(Verdict.FOREIGN)
+        fmt.count_verdicts(self.counters, verdicts)
         self.counters.hits += sum(hits)
         self.counters.misses += len(keys) - sum(hits)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
@@ -294,12 +297,14 @@ class RedisTier(Tier):
         return values
 
     def _check_and_copy(self, key: ChunkKey, raw: bytes, dst: Buffer) -> Verdict:
-        verdict, payload = fmt.check_value(
-            raw, fingerprint=self._fingerprint, key=key, payload_len=self.layout.chunk_bytes
+        return fmt.check_into(
+            raw,
+            dst,
+            fingerprint=self._fingerprint,
+            key=key,
+            payload_len=self.layout.chunk_bytes,
+            auth_key=self._auth_key,
         )
-        if payload is not None:  # verified before a byte reaches the destination
-            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
-        return verdict
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -340,7 +345,7 @@ class RedisTier(Tier):
 
     def _pack(self, key: ChunkKey, src: Buffer) -> bytes:
         payload = np.ascontiguousarray(src).reshape(-1)
-        return fmt.pack_value(self._fingerprint, key, payload.data)
+        return fmt.pack_value(self._fingerprint, key, payload.data, auth_key=self._auth_key)
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited

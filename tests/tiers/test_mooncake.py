@@ -99,6 +99,23 @@ async def test_garbage_and_foreign_values_are_counted_misses_and_rewritten(
         assert all(np.array_equal(s, d) for s, d in zip(srcs, out, strict=True))
 
 
+async def test_a_forged_value_is_never_loaded(
+    mooncake_cluster: MooncakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIERS_TEST_MC_SECRET", "a-mooncake-secret-of-32-bytes-xx")
+    options = {"integrity": "hmac-sha256", "integrity_key_env": "KVTIERS_TEST_MC_SECRET"}
+    async with make_tier(mooncake_cluster.master, **options) as tier:
+        ks, srcs = keys(2, seed=5), payloads(2)
+        # a writer without the secret: a valid checksum, no tag, put before kvtiers writes
+        forged = pack_value(LAYOUT.fingerprint, ks[0], payloads(1, seed=9)[0].data)
+        assert tier._store.put(tier._name(ks[0]), forged) == 0
+        assert await tier.put(ks, srcs) == [True, True]
+        out = dsts(2)
+        assert await tier.get(ks, out) == [False, True]
+        assert (out[0] == 0).all() and np.array_equal(out[1], srcs[1])
+        assert (tier.counters.forged, tier.counters.corrupt) == (1, 1)
+
+
 async def test_two_tiers_share_the_pool(mooncake_cluster: MooncakeCluster) -> None:
     one = make_tier(mooncake_cluster.master)
     two = MooncakeTier(one.config, LAYOUT)

@@ -140,6 +140,50 @@ async def test_garbage_and_foreign_values_are_counted_misses(redis_server: Redis
         assert await tier.get(ks, dsts(4)) == [True] * 4
 
 
+# -- integrity -------------------------------------------------------------------------------
+
+SECRET_ENV = "KVTIERS_TEST_REDIS_SECRET"
+
+
+async def test_a_forged_value_is_never_loaded(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis.asyncio as aioredis
+
+    monkeypatch.setenv(SECRET_ENV, "a-redis-secret-of-32-bytes-xxxxx")
+    options = {"integrity": "hmac-sha256", "integrity_key_env": SECRET_ENV}
+    async with make_tier(redis_server.url, **options) as tier:
+        ks, srcs = keys(2), payloads(2)
+        assert await tier.put(ks, srcs) == [True, True]
+        # a writer without the secret plants a value with a valid checksum but no tag
+        forged = pack_value(LAYOUT.fingerprint, ks[0], payloads(1, seed=9)[0].data)
+        client = aioredis.Redis.from_url(redis_server.url)
+        await client.set(tier._chunk_key(ks[0]), forged)
+        await client.aclose()
+        out = dsts(2)
+        assert await tier.get(ks, out) == [False, True]
+        assert (out[0] == 0).all() and (out[1] == srcs[1]).all()
+        assert (tier.counters.forged, tier.counters.corrupt) == (1, 1)
+
+
+class TestRedisTierWithIntegrity(TestRedisTier):
+    @pytest.fixture(autouse=True)
+    def _secret(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(SECRET_ENV, "a-redis-secret-of-32-bytes-xxxxx")
+
+    def entry_bytes(self) -> int:
+        return value_bytes(LAYOUT.fingerprint, LAYOUT.chunk_bytes, tagged=True)
+
+    async def make_tier(self, tmp_path: Path, layout: KVLayout, capacity_bytes: int) -> RedisTier:
+        options = {
+            "url": self.server.url,
+            "prefix": unique_prefix(),
+            "integrity": "hmac-sha256",
+            "integrity_key_env": SECRET_ENV,
+        }
+        return RedisTier(TierConfig("redis", capacity_bytes, options=options), layout)
+
+
 # -- outage ----------------------------------------------------------------------------------
 
 
