@@ -7,6 +7,7 @@ write-through queues (`WriteQueues`); see those modules for the invariants it re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,6 @@ from kvtiers.core.keys import ChunkKey
 __all__ = ["Mover", "Slot"]
 
 _CLEAR_BATCH = 1024  # keys per tier call when clearing
-_STAGE_BATCH = 32  # chunks staged in host memory at once when no block is free
 
 
 def _leading(flags: Sequence[bool]) -> int:
@@ -240,16 +240,17 @@ class Mover(WriteQueues):
         self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], sink: Sink | None
     ) -> list[bool]:
         found: list[bool] = []
-        for lo in range(0, len(idxs), _STAGE_BATCH):
-            part = idxs[lo : lo + _STAGE_BATCH]
-            stage = np.empty((len(part), self._layout.chunk_bytes), dtype=np.uint8)
-            bufs = list(stage)
-            flags = await self._call(
-                slot, slot.tier.get([keys[i] for i in part], bufs), [False] * len(part)
-            )
-            hit = [j for j, flag in enumerate(flags) if flag]
-            if sink is not None:
-                await sink.deliver([part[j] for j in hit], [bufs[j] for j in hit])
+        rows = self._stages.rows
+        for lo in range(0, len(idxs), rows):
+            part = idxs[lo : lo + rows]
+            with self._stages.take(len(part)) as stage:
+                bufs = list(stage)
+                flags = await self._call(
+                    slot, slot.tier.get([keys[i] for i in part], bufs), [False] * len(part)
+                )
+                hit = [j for j, flag in enumerate(flags) if flag]
+                if sink is not None:
+                    await sink.deliver([part[j] for j in hit], [bufs[j] for j in hit])
             found.extend(flags)
         return found
 
@@ -300,25 +301,32 @@ class Mover(WriteQueues):
     ) -> None:
         """Write chunks the top memory tier could not take straight into the tiers below."""
         start = 1 if self._memtop is not None else 0
-        for lo in range(0, len(idxs), _STAGE_BATCH):
-            part = idxs[lo : lo + _STAGE_BATCH]
-            stage = np.empty((len(part), self._layout.chunk_bytes), dtype=np.uint8)
-            await source.fill(part, list(stage))
-            # Each chunk goes to the first tier below that takes it, and to every
-            # write-through tier under that one, so those still hold all that was stored.
-            left = list(range(len(part)))
-            placed: list[int] = []
-            for slot in self._slots[start:]:
-                through = slot.config.write_policy == "write_through"
-                todo = sorted(set(left) | set(placed)) if through else list(left)
-                if not todo:
-                    continue
-                todo_keys = [keys[part[j]] for j in todo]
-                flags = await self._put(slot, todo_keys, [stage[j] for j in todo])
-                for j, flag in zip(todo, flags, strict=True):
-                    if flag:
-                        if self._index.add(keys, part[j], slot.idx):
-                            self._stored(slot, keys[part[j]])
-                        if j in left:
-                            left.remove(j)
-                            placed.append(j)
+        rows = self._stages.rows
+        for lo in range(0, len(idxs), rows):
+            part = idxs[lo : lo + rows]
+            with self._stages.take(len(part)) as stage:
+                await source.fill(part, list(stage))
+                await self._place_below(keys, part, stage, start)
+
+    async def _place_below(
+        self, keys: Sequence[ChunkKey], part: list[int], stage: Any, start: int
+    ) -> None:
+        """Put staged chunks into the tiers from `start` down (see `_put_overflow`)."""
+        # Each chunk goes to the first tier below that takes it, and to every
+        # write-through tier under that one, so those still hold all that was stored.
+        left = list(range(len(part)))
+        placed: list[int] = []
+        for slot in self._slots[start:]:
+            through = slot.config.write_policy == "write_through"
+            todo = sorted(set(left) | set(placed)) if through else list(left)
+            if not todo:
+                continue
+            todo_keys = [keys[part[j]] for j in todo]
+            flags = await self._put(slot, todo_keys, [stage[j] for j in todo])
+            for j, flag in zip(todo, flags, strict=True):
+                if flag:
+                    if self._index.add(keys, part[j], slot.idx):
+                        self._stored(slot, keys[part[j]])
+                    if j in left:
+                        left.remove(j)
+                        placed.append(j)

@@ -15,12 +15,15 @@ committed, pinned blocks are never reused, and chunks still queued for a write-t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvtiers._logs import RateLimitedLog
@@ -33,13 +36,14 @@ from kvtiers.eviction.base import EvictionPolicy
 from kvtiers.tiers.base import Buffer, Tier
 from kvtiers.tiers.blocks import BlockTier
 
-__all__ = ["Residency", "Slot", "View"]
+__all__ = ["Residency", "Slot", "StagePool", "View"]
 
 logger = logging.getLogger("kvtiers")
 
 _T = TypeVar("_T")
 View = Buffer | torch.Tensor
 """A block view: host bytes (DRAM) or a device tensor (HBM)."""
+_MAX_STAGE_ROWS = 32  # chunks in one stage buffer at most
 _RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
 
 
@@ -91,6 +95,7 @@ class Residency:
         self._through = [s for s in slots[1:] if s.config.write_policy == "write_through"]
         self._pending: Counter[ChunkKey] = Counter()
         self._evicting: set[ChunkKey] = set()
+        self._stages = StagePool(layout.chunk_bytes)
 
     def _corrupt_count(self) -> int:
         return sum(slot.tier.counters.corrupt for slot in self._slots)
@@ -228,3 +233,36 @@ class Residency:
             del evicted[next(iter(evicted))]
         if self._events is not None:
             self._events.append(ChunkRemoved(slot.tier.name, key, self._layout.chunk_size))
+
+
+class StagePool:
+    """Reusable host buffers for chunks on their way between a tier and a caller.
+
+    Fresh buffers cost a page fault per 4 KiB on first touch (about as much as the copy
+    itself); reusing a few keeps that cost to the first use. Buffers are taken and given
+    back on the event loop only, so the pool needs no lock.
+
+    Args:
+        chunk_bytes: bytes of one chunk (one row).
+        max_bytes: the size of one buffer; it holds at least one chunk.
+        keep: buffers kept for reuse; more are allocated when needed, then dropped.
+    """
+
+    def __init__(self, chunk_bytes: int, max_bytes: int = 64 * 2**20, keep: int = 2) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.rows = max(1, min(_MAX_STAGE_ROWS, max_bytes // chunk_bytes))
+        """Chunks one buffer holds."""
+        self._keep = keep
+        self._free: list[npt.NDArray[np.uint8]] = []
+
+    @contextlib.contextmanager
+    def take(self, count: int) -> Iterator[npt.NDArray[np.uint8]]:
+        """Yield a `(count, chunk_bytes)` buffer; `count` must not exceed `rows`."""
+        buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = np.empty((self.rows, self.chunk_bytes), dtype=np.uint8)
+        try:
+            yield buf[:count]
+        finally:
+            if len(self._free) < self._keep:
+                self._free.append(buf)

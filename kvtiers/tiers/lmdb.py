@@ -187,6 +187,8 @@ class LMDBTier(Tier):
                 max_dbs=4,
                 lock=True,
                 readahead=self.options.readahead,
+                # NOTE: no writemap: a full disk would then be a SIGBUS on a map write, not
+                # an error that declines the batch.
                 writemap=False,
                 meminit=False,
                 max_readers=self.options.max_readers,
