@@ -47,6 +47,8 @@ class BadEntry:
     fingerprint: str
     problem: str
     """"corrupt" (header, length or checksum) or "foreign" (its header names another key)."""
+    path: str = ""
+    """Where the object is, for a remote store ("" for an LMDB entry)."""
 
 
 @dataclass(slots=True)
@@ -166,7 +168,7 @@ async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any
                     continue
                 fingerprint, problem = _verdict(raw, obj.key)
                 if problem is not None:
-                    result.bad.append(BadEntry(obj.key.hex(), fingerprint, problem))
+                    result.bad.append(BadEntry(obj.key.hex(), fingerprint, problem, obj.path))
     return result
 
 
@@ -182,7 +184,8 @@ def to_json(result: Inspection) -> str:
         "verified": result.verified,
         "checked": result.checked,
         "bad": [
-            {"key": b.key, "fingerprint": b.fingerprint, "problem": b.problem} for b in result.bad
+            {"key": b.key, "fingerprint": b.fingerprint, "problem": b.problem, "path": b.path}
+            for b in result.bad
         ],
     }
     return json.dumps(doc, indent=2)

@@ -111,6 +111,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_remote_parser(commands)
     _add_inspect_parser(commands)
     _add_stats_parser(commands)
+    _add_purge_parser(commands)
     add_replay_commands(commands)
     return parser
 
@@ -374,17 +375,22 @@ def _add_inspect_parser(commands: Any) -> None:
 def _run_inspect(args: argparse.Namespace) -> int:
     from kvtiers._inspect import format_text, inspect, to_json
 
-    options = None
-    if args.storage_options is not None:
-        try:
-            options = json.loads(args.storage_options)
-        except ValueError as exc:
-            raise ConfigError(f"--storage-options: not JSON: {exc}") from None
-        if not isinstance(options, dict):
-            raise ConfigError("--storage-options: expected a JSON object")
+    options = _storage_options(args.storage_options)
     result = inspect(args.target, verify=args.verify, storage_options=options)
     print(to_json(result) if args.json else "\n".join(format_text(result)))
     return 1 if result.bad else 0
+
+
+def _storage_options(raw: str | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        options = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--storage-options: not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise ConfigError("--storage-options: expected a JSON object")
+    return options
 
 
 # -- stats -----------------------------------------------------------------------------
@@ -406,6 +412,48 @@ def _run_stats(args: argparse.Namespace) -> int:
 
     result = fetch_stats(args.url)
     print(to_json(result) if args.json else "\n".join(format_stats(result)))
+    return 0
+
+
+# -- purge -----------------------------------------------------------------------------
+
+
+def _add_purge_parser(commands: Any) -> None:
+    purge = commands.add_parser(
+        "purge", help="delete one layout's chunks, or the bad ones, from an LMDB path or URL"
+    )
+    purge.add_argument("target", metavar="PATH|URL", help="an LMDB directory or fsspec URL")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--fingerprint", metavar="F", help="a layout fingerprint (or prefix) as inspect shows"
+    )
+    which.add_argument("--bad", action="store_true", help="entries that fail verification")
+    purge.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    purge.add_argument("--json", action="store_true", help="print JSON")
+    purge.add_argument(
+        "--storage-options", metavar="JSON", help="fsspec options for a URL, as a JSON object"
+    )
+    purge.set_defaults(run=_run_purge)
+
+
+def _run_purge(args: argparse.Namespace) -> int:
+    from kvtiers._purge import purge, to_json
+
+    report = purge(
+        args.target,
+        fingerprint=args.fingerprint,
+        bad=args.bad,
+        dry_run=args.dry_run,
+        storage_options=_storage_options(args.storage_options),
+    )
+    if args.json:
+        print(to_json(report))
+    else:
+        verb = "would remove" if report.dry_run else "removed"
+        what = f"layout {report.fingerprint}" if report.fingerprint else "bad entries"
+        size = format_size(report.removed_bytes)
+        print(f"{report.target}: {verb} {report.removed:,} chunks ({size}, {what}); ", end="")
+        print(f"{report.kept:,} kept")
     return 0
 
 

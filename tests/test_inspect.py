@@ -13,7 +13,7 @@ import pytest
 
 from kvtiers import TieredCache
 from kvtiers.cli import main
-from tests.conftest import make_config, make_kv
+from tests.conftest import make_config, make_kv, same_bytes
 from tests.tiers.test_lmdb import flip_payload_byte, rewrite_value
 
 
@@ -44,7 +44,12 @@ def test_lmdb_counts_and_verify_finds_corrupt_entry(tmp_path, layout, capsys):
     assert code == 1
     assert doc["verified"] is True and doc["checked"] == 4
     assert doc["bad"] == [
-        {"key": keys[1].hex(), "fingerprint": layout.fingerprint.hex(), "problem": "corrupt"}
+        {
+            "key": keys[1].hex(),
+            "fingerprint": layout.fingerprint.hex(),
+            "problem": "corrupt",
+            "path": "",
+        }
     ]
     # text output names the bad key
     assert main(["inspect", str(path), "--verify"]) == 1
@@ -83,3 +88,84 @@ def test_not_an_lmdb_path_exits_2(tmp_path, capsys):
 def test_bad_storage_options_exit_2(tmp_path, capsys, options):
     assert main(["inspect", f"file://{tmp_path}", "--storage-options", options]) == 2
     assert "--storage-options" in capsys.readouterr().err
+
+
+# -- purge -------------------------------------------------------------------------------
+
+
+def purge_json(capsys, *argv: str) -> dict:
+    assert main(["purge", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+async def load_all(cfg, layout, num_tokens: int, salt=None):
+    async with TieredCache.from_config(cfg) as cache:
+        tokens = list(range(num_tokens))
+        return await cache.lookup(tokens, salt=salt), await cache.load(tokens, salt=salt)
+
+
+def test_lmdb_purge_removes_only_what_it_was_told(tmp_path, layout, capsys):
+    kept_cfg = make_config(tmp_path, dram_chunks=8, lmdb_chunks=50)
+    other_cfg = make_config(tmp_path, dram_chunks=8, lmdb_chunks=50, layout={"model": "other"})
+    asyncio.run(fill(kept_cfg, layout, 64))
+    asyncio.run(fill(other_cfg, layout, 32))
+    path = str(tmp_path / "lmdb")
+    other = TieredCache.from_config(other_cfg).layout.fingerprint.hex()
+    dry = purge_json(capsys, path, "--fingerprint", other[:8], "--dry-run")
+    assert (dry["removed"], dry["kept"], dry["dry_run"]) == (2, 4, True)
+    done = purge_json(capsys, path, "--fingerprint", other[:8])
+    assert (done["removed"], done["kept"]) == (2, 4) and done["fingerprint"] == other
+    # the other layout is gone; the rest still loads bit-identical
+    assert asyncio.run(load_all(other_cfg, layout, 32))[0] == 0
+    hit, kv = asyncio.run(load_all(kept_cfg, layout, 64))
+    assert hit == 64 and same_bytes(kv, make_kv(layout, 64))
+
+
+def test_lmdb_purge_bad_removes_the_corrupt_entry(tmp_path, layout, capsys):
+    cfg = make_config(tmp_path, dram_chunks=8, lmdb_chunks=50)
+    keys = asyncio.run(fill(cfg, layout, 64))
+    path = tmp_path / "lmdb"
+    rewrite_value(path, keys[3], flip_payload_byte)
+    done = purge_json(capsys, str(path), "--bad")
+    assert (done["removed"], done["kept"]) == (1, 3)
+    assert main(["inspect", str(path), "--verify"]) == 0
+    hit, kv = asyncio.run(load_all(cfg, layout, 64))
+    assert hit == 48 and same_bytes(kv, make_kv(layout, 64)[:, :, :48])
+
+
+def test_remote_purge_by_layout_and_bad(tmp_path, layout, capsys):
+    url = f"file://{tmp_path}/pool"
+    cap = 50 * (layout.chunk_bytes + 512)
+    cfg = make_config(dram_chunks=8)
+    cfg["tiers"].append({"kind": "remote", "url": url, "capacity": cap})
+    other = make_config(dram_chunks=8, layout={"model": "other"})
+    other["tiers"].append({"kind": "remote", "url": url, "capacity": cap})
+    keys = asyncio.run(fill(cfg, layout, 64))
+    asyncio.run(fill(other, layout, 32))
+    [victim] = [p for p in Path(tmp_path, "pool").rglob(keys[1].hex())]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    bad = purge_json(capsys, url, "--bad")
+    assert (bad["removed"], bad["kept"]) == (1, 5)
+    assert not victim.exists()
+    fp = TieredCache.from_config(other).layout.fingerprint.hex()
+    gone = purge_json(capsys, url, "--fingerprint", fp)
+    assert (gone["removed"], gone["kept"]) == (2, 3)
+    code, doc = run_json(capsys, url)
+    assert [ns["fingerprint"] for ns in doc["namespaces"]] == [layout.fingerprint.hex()]
+    hit, kv = asyncio.run(load_all(cfg, layout, 64))
+    assert hit == 16 and same_bytes(kv, make_kv(layout, 64)[:, :, :16])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--fingerprint", "ffff"], "no layout"),
+        ([], "one of the arguments"),
+    ],
+)
+def test_purge_bad_arguments_exit_2(tmp_path, layout, capsys, argv, message):
+    asyncio.run(fill(make_config(tmp_path, dram_chunks=8, lmdb_chunks=50), layout, 32))
+    assert main(["purge", str(tmp_path / "lmdb"), *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,148 @@
+"""`kvtiers purge PATH|URL`: delete one layout's chunks, or the bad ones, from a store.
+
+Takes what `kvtiers inspect` shows: the entries of one layout fingerprint (`--fingerprint`,
+a hex prefix of it is enough when it names one layout), or with `--bad` every entry that
+fails its checks (`inspect --verify`). Works on an LMDB path (in one write transaction
+that keeps the tier's sizes and recency consistent, so running caches may stay up) and on
+a remote URL (the layout's folder). Everything else is left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtiers._inspect import inspect
+from kvtiers.core.errors import ConfigError, TierIOError
+from kvtiers.tiers import _chunk_format as fmt
+
+__all__ = ["PurgeReport", "purge", "to_json"]
+
+
+@dataclass(slots=True)
+class PurgeReport:
+    """What a purge removed (or, with `dry_run`, would remove)."""
+
+    target: str
+    fingerprint: str | None
+    removed: int = 0
+    removed_bytes: int = 0
+    kept: int = 0
+    dry_run: bool = False
+
+
+def purge(
+    target: str,
+    *,
+    fingerprint: str | None = None,
+    bad: bool = False,
+    dry_run: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> PurgeReport:
+    """Remove one layout's entries (`fingerprint`) or the bad ones (`bad`) from a store.
+
+    Raises:
+        ConfigError: neither or both selections, an unknown or ambiguous fingerprint, or a
+            target that is no store.
+        TierIOError: the store cannot be changed.
+    """
+    if (fingerprint is None) == (not bad):
+        raise ConfigError("purge: give --fingerprint F or --bad (one of them)")
+    found = inspect(target, verify=bad, storage_options=storage_options)
+    full = None
+    if fingerprint is not None:
+        full = _resolve(fingerprint.lower(), [ns.fingerprint for ns in found.namespaces])
+    report = PurgeReport(target, full, dry_run=dry_run)
+    if "://" in target:
+        _purge_remote(target, full, found, report, storage_options or {})
+    else:
+        _purge_lmdb(Path(target), full, report)
+    return report
+
+
+def _resolve(prefix: str, names: list[str]) -> str:
+    matches = [name for name in names if name.startswith(prefix)]
+    if len(matches) != 1:
+        known = ", ".join(names) or "none"
+        what = "no layout" if not matches else "several layouts"
+        raise ConfigError(f"--fingerprint {prefix!r}: {what} match; the store holds {known}")
+    return matches[0]
+
+
+def _purge_lmdb(path: Path, fingerprint: str | None, report: PurgeReport) -> None:
+    import lmdb
+
+    from kvtiers.tiers import _lmdb_format as lfmt
+
+    try:
+        env = lmdb.open(str(path), max_dbs=4, subdir=True, lock=True, create=False)
+    except lmdb.Error as exc:
+        raise TierIOError(f"{path}: cannot open the LMDB environment: {exc}") from exc
+    try:
+        dbs = lfmt.open_databases(env)
+        with env.begin(write=not report.dry_run, buffers=True) as txn:
+            doomed: list[tuple[bytes, int]] = []
+            for raw_key, raw in txn.cursor(db=dbs.chunks):
+                key = bytes(raw_key)
+                if _selected(raw, key, fingerprint):
+                    doomed.append((key, len(raw)))
+                else:
+                    report.kept += 1
+            if not report.dry_run:
+                writer = lfmt.Writer(txn, dbs, 0)
+                for key, _ in doomed:
+                    writer.remove(key)
+                writer.save()
+        report.removed = len(doomed)
+        report.removed_bytes = sum(size for _, size in doomed)
+    except lmdb.Error as exc:
+        raise TierIOError(f"{path}: purge failed: {exc}") from exc
+    finally:
+        env.close()
+
+
+def _selected(raw: Any, key: bytes, fingerprint: str | None) -> bool:
+    peeked = fmt.peek_header(raw)
+    if fingerprint is not None:
+        return peeked is not None and peeked[0].hex() == fingerprint
+    if peeked is None:
+        return True
+    verdict, _ = fmt.check_value(raw, fingerprint=peeked[0], key=key, payload_len=peeked[1])
+    return verdict is not fmt.Verdict.OK
+
+
+def _purge_remote(
+    url: str,
+    fingerprint: str | None,
+    found: Any,
+    report: PurgeReport,
+    storage_options: dict[str, Any],
+) -> None:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    root = root.rstrip("/")
+    # NOTE: object paths come from the listing `inspect` made through the same filesystem.
+    if fingerprint is not None:
+        group = next(ns for ns in found.namespaces if ns.fingerprint == fingerprint)
+        report.removed, report.removed_bytes = group.entries, group.bytes
+        report.kept = sum(ns.entries for ns in found.namespaces) - group.entries
+        paths = [f"{root}/{fingerprint}"]
+    else:
+        paths = [bad.path for bad in found.bad]
+        report.removed = len(paths)
+        report.kept = found.checked - len(paths)
+    if report.dry_run or not paths:
+        return
+    try:
+        for path in paths:
+            fs.rm(path, recursive=fingerprint is not None)
+    except (OSError, ValueError) as exc:
+        raise TierIOError(f"{url}: purge failed: {exc}") from exc
+
+
+def to_json(report: PurgeReport) -> str:
+    """Return a report as JSON text."""
+    return json.dumps(asdict(report), indent=2, sort_keys=True)
