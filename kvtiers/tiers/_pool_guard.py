@@ -10,14 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from kvtiers.core.errors import InvalidInputError
+from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import ConfigError, InvalidInputError
 from kvtiers.core.keys import KEY_BYTES, ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, StoreUnavailable
 from kvtiers.tiers._remote_options import Redactor
+from kvtiers.tiers.base import Buffer
 
-__all__ = ["StoreGuard", "StoreUnavailable", "check_keys"]
+__all__ = ["StoreGuard", "StoreUnavailable", "StoredValues", "check_keys"]
 
 logger = logging.getLogger("kvtiers")
 
@@ -122,3 +127,49 @@ def check_keys(keys: Sequence[ChunkKey]) -> None:
     for i, key in enumerate(keys):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise InvalidInputError(f"keys[{i}]: expected a {KEY_BYTES}-byte key, got {key!r:.60}")
+
+
+class StoredValues:
+    """The stored form of one pool tier's chunks: sizes, packing and checked reads.
+
+    Shared by the tiers that keep whole values in a key-value store (redis, mooncake): the
+    chunk format's header and checksum, and the integrity tag when the tier's options ask
+    for one, so a value that is garbage, truncated, foreign or forged is a miss.
+
+    Args:
+        config: the tier's config (capacity, integrity options).
+        layout: the layout of its chunks.
+
+    Raises:
+        ConfigError: bad integrity options, or a capacity that cannot hold one value.
+    """
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        self.fingerprint = layout.fingerprint
+        self.payload_len = layout.chunk_bytes
+        self.auth_key = auth_key_from_config(config)
+        self.value_bytes = fmt.value_bytes(
+            self.fingerprint, layout.chunk_bytes, tagged=self.auth_key is not None
+        )
+        """Bytes of one stored value (header and payload)."""
+        if config.capacity_bytes < self.value_bytes:
+            raise ConfigError(
+                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
+                f"takes {self.value_bytes} bytes (header and payload), got "
+                f"{config.capacity_bytes}"
+            )
+
+    def pack(self, key: bytes, payload: Any) -> bytes:
+        """Return the stored value of a contiguous payload under `key`."""
+        return fmt.pack_value(self.fingerprint, key, payload, auth_key=self.auth_key)
+
+    def read_into(self, key: bytes, raw: Any, dst: Buffer) -> fmt.Verdict:
+        """Verify a value read under `key`; copy its payload into `dst` only when intact."""
+        return fmt.check_into(
+            raw,
+            dst,
+            fingerprint=self.fingerprint,
+            key=key,
+            payload_len=self.payload_len,
+            auth_key=self.auth_key,
+        )

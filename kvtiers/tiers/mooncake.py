@@ -39,7 +39,6 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
-from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._mooncake_io import (
     LOST,
     NOT_FOUND,
@@ -50,7 +49,7 @@ from kvtiers.tiers._mooncake_io import (
     bind_tcp,
     setup_client,
 )
-from kvtiers.tiers._pool_guard import StoreGuard, StoreUnavailable, check_keys
+from kvtiers.tiers._pool_guard import StoredValues, StoreGuard, StoreUnavailable, check_keys
 from kvtiers.tiers._pool_options import MooncakeOptions
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
 from kvtiers.tiers.base import Buffer, Tier
@@ -82,17 +81,10 @@ class MooncakeTier(Tier):
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         self.options = options = MooncakeOptions.from_config(config)
+        self._values = StoredValues(config, layout)
         self._fingerprint = layout.fingerprint
-        self._auth_key = auth_key_from_config(config)
-        self.value_bytes = fmt.value_bytes(
-            self._fingerprint, layout.chunk_bytes, tagged=self._auth_key is not None
-        )
+        self.value_bytes = self._values.value_bytes
         """Bytes of one stored value (header and payload)."""
-        if self.capacity_bytes < self.value_bytes:
-            raise ConfigError(
-                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
-                f"takes {self.value_bytes} bytes (header and payload), got {self.capacity_bytes}"
-            )
         if options.buffer_size and options.buffer_size < self.value_bytes:
             raise ConfigError(
                 f"{config.where}.buffer_size: smaller than one stored chunk "
@@ -284,18 +276,8 @@ class MooncakeTier(Tier):
                     verdicts.append(None)
                 else:
                     raw = region.slot(i)[: max(code, 0)].data
-                    verdicts.append(self._check_and_copy(key, raw, dst))
+                    verdicts.append(self._values.read_into(key, raw, dst))
             return verdicts
-
-    def _check_and_copy(self, key: ChunkKey, raw: memoryview, dst: Buffer) -> Verdict:
-        return fmt.check_into(
-            raw,
-            dst,
-            fingerprint=self._fingerprint,
-            key=key,
-            payload_len=self.layout.chunk_bytes,
-            auth_key=self._auth_key,
-        )
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -363,9 +345,7 @@ class MooncakeTier(Tier):
         async with self._staging.region(self.options.timeout) as region:
             for i, key in enumerate(keys):
                 payload = np.ascontiguousarray(sources[key]).reshape(-1)
-                value = fmt.pack_value(
-                    self._fingerprint, key, payload.data, auth_key=self._auth_key
-                )
+                value = self._values.pack(key, payload.data)
                 region.slot(i)[: len(value)] = np.frombuffer(value, np.uint8)
             names = [self._name(key) for key in keys]
             ptrs = [region.address(i) for i in range(len(keys))]

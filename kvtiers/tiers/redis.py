@@ -47,8 +47,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
-from kvtiers.tiers._integrity import auth_key_from_config
-from kvtiers.tiers._pool_guard import StoreGuard, StoreUnavailable, check_keys
+from kvtiers.tiers._pool_guard import StoredValues, StoreGuard, StoreUnavailable, check_keys
 from kvtiers.tiers._pool_options import RedisOptions
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
 from kvtiers.tiers._remote_options import Redactor, display_url
@@ -142,11 +141,9 @@ class RedisTier(Tier):
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         self.options = RedisOptions.from_config(config)
+        self._values = StoredValues(config, layout)
         self._fingerprint = layout.fingerprint
-        self._auth_key = auth_key_from_config(config)
-        self.value_bytes = fmt.value_bytes(
-            self._fingerprint, layout.chunk_bytes, tagged=self._auth_key is not None
-        )
+        self.value_bytes = self._values.value_bytes
         """Bytes of one stored value (header and payload)."""
         if self.value_bytes > self.options.max_value_bytes:
             raise ConfigError(
@@ -154,11 +151,6 @@ class RedisTier(Tier):
                 f"{format_size(self.value_bytes)} ({self.value_bytes} bytes), more than the "
                 f"server accepts per value ({format_size(self.options.max_value_bytes)}); use a "
                 f"smaller chunk_size, or raise the server's proto-max-bulk-len and this option"
-            )
-        if self.capacity_bytes < self.value_bytes:
-            raise ConfigError(
-                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
-                f"takes {self.value_bytes} bytes (header and payload), got {self.capacity_bytes}"
             )
         self.max_entries = self.capacity_bytes // self.value_bytes
         """Chunks the capacity holds."""
@@ -277,7 +269,7 @@ class RedisTier(Tier):
             self.counters.errors += 1
             return [None] * len(keys)
         return [
-            None if raw is None else self._check_and_copy(key, raw, dst)
+            None if raw is None else self._values.read_into(key, raw, dst)
             for key, raw, dst in zip(keys, values, dsts, strict=True)
         ]
 
@@ -295,16 +287,6 @@ class RedisTier(Tier):
         *values, count = await pipe.execute()
         self._num_entries = int(count)
         return values
-
-    def _check_and_copy(self, key: ChunkKey, raw: bytes, dst: Buffer) -> Verdict:
-        return fmt.check_into(
-            raw,
-            dst,
-            fingerprint=self._fingerprint,
-            key=key,
-            payload_len=self.layout.chunk_bytes,
-            auth_key=self._auth_key,
-        )
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -345,7 +327,7 @@ class RedisTier(Tier):
 
     def _pack(self, key: ChunkKey, src: Buffer) -> bytes:
         payload = np.ascontiguousarray(src).reshape(-1)
-        return fmt.pack_value(self._fingerprint, key, payload.data, auth_key=self._auth_key)
+        return self._values.pack(key, payload.data)
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
