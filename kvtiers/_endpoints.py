@@ -23,6 +23,7 @@ from kvtiers.gpu.paged import PagedKV, payload_tensor
 from kvtiers.tiers.base import Buffer
 
 __all__ = [
+    "Chunk",
     "ChunkSink",
     "ChunkSource",
     "PagedSink",
@@ -105,17 +106,25 @@ class TensorSource(Source):
                 payload_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
 
 
-class ChunkSink(Sink):
-    """Deliver chunk `i` into `dsts[i]`, a tensor of one chunk's payload shape.
+Chunk = torch.Tensor | Buffer
+"""One chunk of the key-level API: a payload-shaped tensor, or its bytes as a uint8 array."""
 
-    Host tensors (a permuted view is fine when its last axis is contiguous) are filled by
-    the tiers directly; device tensors through one copy.
+
+def _chunk_bytes(chunk: Chunk) -> Buffer | None:
+    return chunk if isinstance(chunk, np.ndarray) else host_bytes(chunk)
+
+
+class ChunkSink(Sink):
+    """Deliver chunk `i` into `dsts[i]` (see `Chunk`).
+
+    Host memory (a permuted view is fine when its last axis is contiguous) is filled by the
+    tiers directly; device tensors through one copy.
     """
 
-    def __init__(self, layout: KVLayout, dsts: Sequence[torch.Tensor]) -> None:
+    def __init__(self, layout: KVLayout, dsts: Sequence[Chunk]) -> None:
         self._layout = layout
         self._dsts = dsts
-        self._bytes = [host_bytes(dst) for dst in dsts]
+        self._bytes = [_chunk_bytes(dst) for dst in dsts]
 
     def direct(self, idx: int) -> Buffer | None:
         # docstring inherited
@@ -125,28 +134,36 @@ class ChunkSink(Sink):
         # docstring inherited
         for idx, view in zip(idxs, views, strict=True):
             dst = self._bytes[idx]
-            if dst is not None and isinstance(view, np.ndarray):
-                np.copyto(dst, view.reshape(dst.shape))
+            if dst is not None:
+                src = view if isinstance(view, np.ndarray) else view.cpu().numpy()
+                np.copyto(dst, src.reshape(dst.shape))
             else:
-                self._dsts[idx].copy_(payload_tensor(self._layout, view))
+                target = self._dsts[idx]
+                assert isinstance(target, torch.Tensor)
+                target.copy_(payload_tensor(self._layout, view))
 
 
 class ChunkSource(Source):
-    """Fill chunk `i` from `srcs[i]`, a tensor of one chunk's payload shape."""
+    """Fill chunk `i` from `srcs[i]` (see `Chunk`)."""
 
-    def __init__(self, layout: KVLayout, srcs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, layout: KVLayout, srcs: Sequence[Chunk]) -> None:
         self._layout = layout
         self._srcs = srcs
-        self._bytes = [host_bytes(src) for src in srcs]
+        self._bytes = [_chunk_bytes(src) for src in srcs]
 
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         for idx, view in zip(idxs, views, strict=True):
             src = self._bytes[idx]
-            if src is not None and isinstance(view, np.ndarray):
-                np.copyto(view.reshape(src.shape), src)
+            if src is not None:
+                if isinstance(view, np.ndarray):
+                    np.copyto(view.reshape(src.shape), src)
+                else:  # a device block: its bytes, flat
+                    view.copy_(torch.from_numpy(np.ascontiguousarray(src)).view(-1))
             else:
-                payload_tensor(self._layout, view).copy_(self._srcs[idx])
+                source = self._srcs[idx]
+                assert isinstance(source, torch.Tensor)
+                payload_tensor(self._layout, view).copy_(source)
 
 
 class _Paged:

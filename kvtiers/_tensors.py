@@ -101,26 +101,38 @@ def check_out(layout: KVLayout, out: object, num_tokens: int) -> torch.Tensor:
     return out
 
 
-def check_chunks(layout: KVLayout, tensors: object, num_keys: int, what: str) -> list[torch.Tensor]:
-    """Check that `tensors` holds one chunk-shaped tensor of the layout per key.
+def check_chunks(
+    layout: KVLayout, chunks: object, num_keys: int, what: str
+) -> list[torch.Tensor | npt.NDArray[np.uint8]]:
+    """Check that `chunks` holds one chunk of the layout per key.
+
+    A chunk is a torch tensor of the layout's dtype and `chunk_shape()` (any device, any
+    strides), or a uint8 NumPy array of `chunk_bytes` bytes whose C-order sequence is the
+    payload (any shape and strides: a view of an engine's host memory).
 
     Raises:
-        LayoutMismatch: not a sequence of tensors, or a wrong count, dtype or shape.
+        LayoutMismatch: not a sequence, or a wrong count, type, dtype or shape.
     """
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, list | tuple):
-        raise LayoutMismatch(f"{what}: expected a list of tensors, one per key")
-    if len(tensors) != num_keys:
-        raise LayoutMismatch(f"{what}: {len(tensors)} tensors for {num_keys} keys")
+    if isinstance(chunks, torch.Tensor | np.ndarray) or not isinstance(chunks, list | tuple):
+        raise LayoutMismatch(f"{what}: expected a list of chunks, one per key")
+    if len(chunks) != num_keys:
+        raise LayoutMismatch(f"{what}: {len(chunks)} chunks for {num_keys} keys")
     want = layout.chunk_shape()
     dtype = torch_dtype(layout)
-    for i, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
+    for i, chunk in enumerate(chunks):
+        if isinstance(chunk, np.ndarray):
+            if chunk.dtype != np.uint8 or chunk.nbytes != layout.chunk_bytes:
+                raise LayoutMismatch(
+                    f"{what}[{i}]: expected {layout.chunk_bytes} uint8 bytes, got "
+                    f"{chunk.nbytes} bytes of {chunk.dtype}"
+                )
+        elif not isinstance(chunk, torch.Tensor):
             raise LayoutMismatch(
-                f"{what}[{i}]: expected a torch.Tensor, got {type(tensor).__name__}"
+                f"{what}[{i}]: expected a torch.Tensor or a uint8 array, got {type(chunk).__name__}"
             )
-        if tensor.dtype != dtype or tuple(tensor.shape) != want:
+        elif chunk.dtype != dtype or tuple(chunk.shape) != want:
             raise LayoutMismatch(
                 f"{what}[{i}]: expected shape {want} of {layout.dtype}, got "
-                f"{tuple(tensor.shape)} of {tensor.dtype}"
+                f"{tuple(chunk.shape)} of {chunk.dtype}"
             )
-    return list(tensors)
+    return list(chunks)

@@ -416,9 +416,10 @@ class TieredCache:
 
         Args:
             keys: chunk keys (`chunk_keys` or `keys`).
-            dsts: one tensor per key, of the layout's dtype and `kv_shape(chunk_size)` (a
-                permuted view of an engine's host pool is fine); host tensors are filled by
-                the tiers directly.
+            dsts: one chunk per key: a tensor of the layout's dtype and
+                `kv_shape(chunk_size)` (a permuted view of an engine's host pool is fine), or
+                a uint8 NumPy array of `chunk_bytes` bytes in payload order; host memory is
+                filled by the tiers directly.
             parent: the key of the chunk before `keys[0]` in its chain, if any.
 
         Returns:

@@ -148,3 +148,22 @@ async def test_bad_chunks_raise_and_write_nothing(layout):
             cache.chunk_keys([""])
         with pytest.raises(TokenError):
             cache.chunk_keys([3])
+
+
+async def test_numpy_byte_views_are_chunks_too(layout):
+    kv = make_kv(layout, 2 * layout.chunk_size)
+    size = layout.chunk_size
+    async with TieredCache.from_config(make_config()) as cache:
+        keys = cache.chunk_keys(HASHES[:2])
+        srcs = [
+            kv.narrow(2, i * size, size).contiguous().view(torch.uint8).numpy() for i in range(2)
+        ]
+        assert await cache.put_chunks(keys, srcs) == [True, True]
+        out = torch.zeros(2, *layout.chunk_shape(), dtype=torch.float16)
+        dsts = [out[i].view(torch.uint8).numpy() for i in range(2)]
+        assert await cache.get_chunks(keys, dsts) == [True, True]
+        assert same_bytes(out[0], kv.narrow(2, 0, size)) and same_bytes(
+            out[1], kv.narrow(2, size, size)
+        )
+        with pytest.raises(LayoutMismatch):
+            await cache.get_chunks(keys, [dsts[0].reshape(-1)[:10], dsts[1]])

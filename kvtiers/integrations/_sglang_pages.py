@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from kvtiers._tensors import TORCH_DTYPES
+from kvtiers._tensors import TORCH_DTYPES, host_bytes
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 
@@ -101,6 +103,8 @@ class PageMap:
     """A non-flat page's shape in the pool's own layout."""
     squeeze: int | None
     perm: tuple[int, ...]
+    base: npt.NDArray[np.uint8] | None = None
+    """The whole pool's bytes in payload order, token axis 2, when pages are its slices."""
 
     @classmethod
     def of(cls, pool: Any, layout: KVLayout) -> PageMap:
@@ -124,7 +128,25 @@ class PageMap:
             raise ConfigError(
                 f"{_WHERE}: a page of shape {shape} is not a chunk of shape {layout.chunk_shape()}"
             )
-        return this
+        return cls(pool, layout, shape, squeeze, perm, this._whole_bytes())
+
+    def _whole_bytes(self) -> npt.NDArray[np.uint8] | None:
+        """Return the pool's bytes in payload order when each page is a slice of them.
+
+        Then a page is one NumPy slice (no torch view per page); checked on a probe page
+        against the pool's own `get_data_page`, so a pool that remaps pages falls back.
+        """
+        buffer = getattr(self.pool, "kv_buffer", None)
+        if self.squeeze is not None or not isinstance(buffer, torch.Tensor):
+            return None
+        base = host_bytes(buffer.permute(self.perm))
+        size = self.layout.chunk_size
+        probe = host_bytes(self.page(size))
+        if base is None or probe is None or base.shape[2] < 2 * size:
+            return None
+        if base[:, :, size : 2 * size].__array_interface__ != probe.__array_interface__:
+            return None
+        return base
 
     def _canon(self, page: torch.Tensor) -> torch.Tensor:
         if self.squeeze is not None:
@@ -135,12 +157,19 @@ class PageMap:
         """Return the page that starts at host token `token_index`, in payload order."""
         return self._canon(self.pool.get_data_page(token_index, flat=False))
 
-    def pages(self, host_indices: torch.Tensor, count: int) -> list[torch.Tensor]:
-        """Return the views of `count` pages whose token indices are `host_indices`."""
+    def pages(self, host_indices: torch.Tensor, count: int) -> list[Any]:
+        """Return the views of `count` pages whose token indices are `host_indices`.
+
+        Each is a payload-order tensor view, or its bytes as a NumPy view when the pool's
+        pages are slices of one buffer (`base`); either way the pool's own memory.
+        """
         size = self.layout.chunk_size
         if host_indices.numel() < count * size:
             raise ValueError(f"{host_indices.numel()} host indices for {count} pages of {size}")
         starts = host_indices[::size][:count].tolist()
+        base = self.base
+        if base is not None:
+            return [base[:, :, start : start + size] for start in starts]
         return [self.page(int(start)) for start in starts]
 
     def flat(self, data: torch.Tensor) -> torch.Tensor:
