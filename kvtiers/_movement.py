@@ -6,6 +6,7 @@ write-through queues (`WriteQueues`); see those modules for the invariants it re
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -191,28 +192,27 @@ class Mover(WriteQueues):
         done: list[bool],
     ) -> None:
         todo_keys = [keys[i] for i in todo]
-        found: list[bool] = []
-        if self._memtop is not None:
+        if self._memtop is None:
+            found = await self._get_rest(slot, keys, todo, sink)
+        else:
             top = self._slots[0]
             await self._make_room(top, len(todo), protect=set(keys))
             async with self._memtop.reserve(todo_keys) as res:
                 num = len(res.views)
-                found = await self._get_into(slot, todo_keys[:num], res.views)
-                res.keep[:] = found
-                hit = [j for j, flag in enumerate(found) if flag]
+                # NOTE: the chunks that got a top-tier block and the rest are read at once,
+                # so a load waits for one round of calls to this tier (one deadline of a
+                # remote tier), not two in a row.
+                promoted, rest_found = await asyncio.gather(
+                    self._get_into(slot, todo_keys[:num], res.views),
+                    self._get_rest(slot, keys, todo[num:], sink),
+                )
+                res.keep[:] = promoted
+                hit = [j for j, flag in enumerate(promoted) if flag]
                 if sink is not None:
                     await sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
             self._record_inserts(top, keys, [todo[j] for j in hit])
             top.tier.counters.promotions += len(hit)
-        rest = todo[len(found) :]
-        direct = [sink.direct(i) for i in rest] if sink is not None else []
-        if rest and direct and all(d is not None for d in direct):
-            # Straight into the caller's memory: one copy.
-            dsts = [d for d in direct if d is not None]
-            rest_keys = [keys[i] for i in rest]
-            found += await self._call(slot, slot.tier.get(rest_keys, dsts), [False] * len(rest))
-        elif rest:
-            found += await self._get_staged(slot, keys, rest, sink)
+            found = promoted + rest_found
         for i, flag in zip(todo, found, strict=True):
             if flag:
                 done[i] = True
@@ -220,11 +220,27 @@ class Mover(WriteQueues):
             else:
                 self._drop(slot, keys[i])
 
+    async def _get_rest(
+        self, slot: Slot, keys: Sequence[ChunkKey], rest: list[int], sink: Sink | None
+    ) -> list[bool]:
+        """Read chunks that got no top-tier block: into the caller's memory, or staged."""
+        if not rest:
+            return []
+        direct = [sink.direct(i) for i in rest] if sink is not None else []
+        if direct and all(d is not None for d in direct):
+            # Straight into the caller's memory: one copy.
+            dsts = [d for d in direct if d is not None]
+            rest_keys = [keys[i] for i in rest]
+            return await self._call(slot, slot.tier.get(rest_keys, dsts), [False] * len(rest))
+        return await self._get_staged(slot, keys, rest, sink)
+
     async def _get_into(
         self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]
     ) -> list[bool]:
         """Read chunks from `slot` into block views, staging through host memory for device
         blocks (a tier reads into host buffers)."""
+        if not keys:
+            return []
         default = [False] * len(keys)
         host = [v for v in views if isinstance(v, np.ndarray)]
         if len(host) == len(views):
