@@ -119,11 +119,12 @@ def check_chunks(
         raise LayoutMismatch(f"{what}: {len(chunks)} chunks for {num_keys} keys")
     want = layout.chunk_shape()
     dtype = torch_dtype(layout)
+    chunk_bytes = layout.chunk_bytes
     for i, chunk in enumerate(chunks):
         if isinstance(chunk, np.ndarray):
-            if chunk.dtype != np.uint8 or chunk.nbytes != layout.chunk_bytes:
+            if chunk.dtype != np.uint8 or chunk.nbytes != chunk_bytes:
                 raise LayoutMismatch(
-                    f"{what}[{i}]: expected {layout.chunk_bytes} uint8 bytes, got "
+                    f"{what}[{i}]: expected {chunk_bytes} uint8 bytes, got "
                     f"{chunk.nbytes} bytes of {chunk.dtype}"
                 )
         elif not isinstance(chunk, torch.Tensor):

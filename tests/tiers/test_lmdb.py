@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
@@ -345,3 +347,23 @@ async def test_same_path_twice_in_one_process_raises(tmp_path: Path) -> None:
     async with LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT):
         with pytest.raises(TierIOError, match="already open"):
             await LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT).open()
+
+
+def _recency(batches: list[list[bytes]]) -> list[bytes]:
+    """Keys from oldest to newest after touching `batches` in order, as `Writer.touch` does."""
+    seq: dict[bytes, int] = {}
+    base = 0
+    for batch in batches:
+        for i, key in enumerate(batch):
+            seq[key] = base + len(batch) - 1 - i
+        base += len(batch)
+    return sorted(seq, key=seq.__getitem__)
+
+
+@given(st.lists(st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]), max_size=6)))
+def test_dropping_earlier_touches_keeps_the_recency_order(batches: list[list[bytes]]) -> None:
+    from kvtiers.tiers.lmdb import _last_touches
+
+    kept = _last_touches(batches)
+    assert _recency(kept) == _recency(batches)
+    assert sum(map(len, kept)) == len({key for batch in batches for key in batch})
