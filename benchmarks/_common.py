@@ -28,6 +28,7 @@ __all__ = [
     "Result",
     "Target",
     "amedian_pair",
+    "amedians_interleaved",
     "atimings",
     "machine_info",
     "main",
@@ -223,6 +224,24 @@ async def amedian_pair(
         baseline()
         b.append(time.perf_counter() - start)
     return statistics.median(a), statistics.median(b)
+
+
+async def amedians_interleaved(
+    fns: Sequence[Callable[[], Awaitable[object]]], repeats: int
+) -> list[float]:
+    """Return the median seconds of each of `fns`, their repetitions interleaved.
+
+    Each of `fns` is awaited once first, as a warm-up (connections, pools).
+    """
+    for fn in fns:
+        await fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, acc in zip(fns, samples, strict=True):
+            start = time.perf_counter()
+            await fn()
+            acc.append(time.perf_counter() - start)
+    return [statistics.median(acc) for acc in samples]
 
 
 def percentile(samples: Sequence[float], q: float) -> float:

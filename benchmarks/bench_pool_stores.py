@@ -18,16 +18,13 @@ Run alone: `python -m benchmarks.bench_pool_stores [--quick]`.
 from __future__ import annotations
 
 import asyncio
-import statistics
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from benchmarks._common import GIB, MIB, Result, Target, main
+from benchmarks._common import GIB, MIB, Result, Target, amedians_interleaved, main
 from benchmarks.bench_dram import BYTES_PER_TOKEN, LAYOUT, VOCAB, make_kv, same_bits
 from kvtiers import TieredCache
 
@@ -36,19 +33,6 @@ POOL_LAYOUT = {**LAYOUT, "chunk_size": CHUNK_TOKENS}
 CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS
 IN_FLIGHT = 16
 TARGET = Target("ratio", ">=", 0.85)
-
-
-async def interleaved(fns: list[Callable[[], Awaitable[object]]], repeats: int) -> list[float]:
-    """Return the median seconds of each of `fns`, their repetitions interleaved."""
-    for fn in fns:
-        await fn()  # warm-up: connections, pools
-    samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, acc in zip(fns, samples, strict=True):
-            start = time.perf_counter()
-            await fn()
-            acc.append(time.perf_counter() - start)
-    return [statistics.median(acc) for acc in samples]
 
 
 def size_text(total: int) -> str:
@@ -114,7 +98,7 @@ async def _bench_redis(total: int, repeats: int) -> list[Result]:
 
             await load()
             assert same_bits(dst, kv), "load returned other bytes than were stored"
-            t_load, t_get, t_raw = await interleaved(
+            t_load, t_get, t_raw = await amedians_interleaved(
                 [load, get, lambda: _raw_redis_reads(raw, names, tier._per_call)], repeats
             )
             await raw.aclose()
@@ -203,7 +187,7 @@ async def _bench_mooncake(total: int, repeats: int) -> list[Result]:
 
             await load()
             assert same_bits(dst, kv), "load returned other bytes than were stored"
-            t_load, t_raw = await interleaved([load, raw], repeats)
+            t_load, t_raw = await amedians_interleaved([load, raw], repeats)
             client.unregister_buffer(int(raw_buf.ctypes.data))
     finally:
         cluster.stop()

@@ -21,19 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import statistics
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from benchmarks._common import GIB, MIB, Result, Target, main
+from benchmarks._common import GIB, MIB, Result, Target, amedians_interleaved, main
 from benchmarks.bench_dram import BYTES_PER_TOKEN, LAYOUT, VOCAB, make_kv, same_bits
 from kvtiers import TieredCache
 
@@ -117,19 +115,6 @@ async def _raw_reads(fs: Any, paths: list[str], in_flight: int, size: int | None
     await asyncio.gather(*(one(p) for p in paths))
 
 
-async def _interleaved(fns: list[Callable[[], Awaitable[object]]], repeats: int) -> list[float]:
-    """Return the median seconds of each of `fns`, their repetitions interleaved."""
-    for fn in fns:
-        await fn()  # warm-up: connections, pools
-    samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, acc in zip(fns, samples, strict=True):
-            start = time.perf_counter()
-            await fn()
-            acc.append(time.perf_counter() - start)
-    return [statistics.median(acc) for acc in samples]
-
-
 async def _bench(total: int, repeats: int) -> list[Result]:
     num_tokens = total // BYTES_PER_TOKEN
     num_chunks = num_tokens // CHUNK_TOKENS
@@ -167,7 +152,7 @@ async def _bench(total: int, repeats: int) -> list[Result]:
             async def whole() -> None:
                 assert all(await tier.get(keys, bufs))
 
-            t_kv, t_raw, t_ranged, t_serial, t_layer, t_whole = await _interleaved(
+            t_kv, t_raw, t_ranged, t_serial, t_layer, t_whole = await amedians_interleaved(
                 [
                     load,
                     lambda: _raw_reads(raw, paths, IN_FLIGHT),

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtiers.cli import main
+from tests._pooling import run_child
 from tests.conftest import SMALL_LAYOUT, small_layout
 from tests.tiers.servers import MOONCAKE_ENV, MooncakeCluster, mooncake_cluster, unique_prefix
 
 __all__ = ["mooncake_cluster"]  # a fixture, imported to be found here
 
-ROOT = Path(__file__).resolve().parents[1]
 CHUNK_BYTES = small_layout().chunk_bytes
+TOKENS = list(range(8000, 8064))  # 4 chunks
 
 
 def config(master: str, prefix: str) -> dict[str, Any]:
@@ -31,53 +29,14 @@ def config(master: str, prefix: str) -> dict[str, Any]:
     return {"layout": dict(SMALL_LAYOUT), "tiers": [dram, pool]}
 
 
-_CHILD = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    sys.path.insert(0, {root!r})
-    from kvtiers import TieredCache
-    from tests.conftest import make_kv, same_bytes, small_layout
-
-    async def main(cfg, role):
-        tokens = list(range(8000, 8064))
-        kv = make_kv(small_layout(), 64, seed=42)
-        async with TieredCache.from_config(cfg) as cache:
-            if role == "store":
-                stored = await cache.store(tokens, kv)
-                await cache.flush()
-                print(json.dumps({{"stored": stored}}))
-                return
-            n = await cache.lookup(tokens)
-            got = await cache.load(tokens[:n])
-            tiers = {{t.name: t.hits for t in cache.stats().tiers}}
-            print(json.dumps({{"n": n, "same": same_bytes(got, kv[:, :, :n]), "hits": tiers}}))
-
-    asyncio.run(main(json.loads(sys.argv[1]), sys.argv[2]))
-    """
-)
-
-
-def run_child(cfg: dict[str, Any], role: str) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(root=str(ROOT)), json.dumps(cfg), role],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, **MOONCAKE_ENV},
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
 @pytest.mark.slow
 async def test_a_fresh_process_loads_what_another_stored(mooncake_cluster: MooncakeCluster):
     cfg = config(mooncake_cluster.master, unique_prefix())
     # Two pure clients in two processes: the bytes cross TCP into the segment process's
     # memory and back out of it.
-    assert await asyncio.to_thread(run_child, cfg, "store") == {"stored": 64}
-    result = await asyncio.to_thread(run_child, cfg, "load")
+    child = functools.partial(run_child, cfg, tokens=TOKENS, env=MOONCAKE_ENV)
+    assert await asyncio.to_thread(child, "store") == {"stored": 64}
+    result = await asyncio.to_thread(child, "load")
     assert result == {"n": 64, "same": True, "hits": {"dram": 0, "mooncake": 4}}
 
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +12,7 @@ import pytest
 
 from kvtiers import TieredCache
 from kvtiers.cli import main
+from tests._pooling import run_child
 from tests.conftest import SMALL_LAYOUT, make_kv, same_bytes, small_layout
 from tests.tiers.servers import RedisServer, own_redis_server, redis_server, unique_prefix
 
@@ -22,7 +20,6 @@ pytest.importorskip("redis")
 
 __all__ = ["own_redis_server", "redis_server"]  # fixtures, imported to be found here
 
-ROOT = Path(__file__).resolve().parents[1]
 CHUNK_BYTES = small_layout().chunk_bytes
 TOKENS = list(range(7000, 7064))  # 4 chunks
 
@@ -34,45 +31,11 @@ def config(url: str, *, dram_chunks: int = 32, **options: Any) -> dict[str, Any]
     return {"layout": dict(SMALL_LAYOUT), "tiers": [dram, {**pool, **options}]}
 
 
-_CHILD = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    sys.path.insert(0, {root!r})
-    from kvtiers import TieredCache
-    from tests.conftest import make_kv, same_bytes, small_layout
-
-    async def main(cfg, seed):
-        async with TieredCache.from_config(cfg) as cache:
-            tokens = list(range(7000, 7064))
-            n = await cache.lookup(tokens)
-            kv = await cache.load(tokens[:n])
-            ok = same_bytes(kv, make_kv(small_layout(), 64, seed=seed)[:, :, :n])
-            tiers = {{t.name: t.hits for t in cache.stats().tiers}}
-            print(json.dumps({{"n": n, "same": ok, "hits": tiers}}))
-
-    asyncio.run(main(json.loads(sys.argv[1]), int(sys.argv[2])))
-    """
-)
-
-
-def run_child(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(root=str(ROOT)), json.dumps(cfg), str(seed)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
 async def test_another_process_loads_the_whole_prefix(redis_server: RedisServer, layout):
     cfg = config(redis_server.url, prefix=unique_prefix())
     async with TieredCache.from_config(cfg) as cache:
         assert await cache.store(TOKENS, make_kv(layout, 64, seed=42)) == 64
-    result = await asyncio.to_thread(run_child, cfg, 42)
+    result = await asyncio.to_thread(run_child, cfg, "load", TOKENS, seed=42)
     assert result == {"n": 64, "same": True, "hits": {"dram": 0, "redis": 4}}
 
 

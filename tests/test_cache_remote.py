@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +14,7 @@ import pytest
 
 from kvtiers import TieredCache
 from kvtiers.cli import main
+from tests._pooling import run_child
 from tests.conftest import SMALL_LAYOUT, make_kv, same_bytes, small_layout
 from tests.tiers.conftest import SECRET, MotoS3, free_port, moto_s3, own_moto_s3
 
@@ -24,7 +22,6 @@ __all__ = ["moto_s3", "own_moto_s3"]  # fixtures, imported to be found here
 
 pytestmark = pytest.mark.filterwarnings("error")
 
-ROOT = Path(__file__).resolve().parents[1]
 CHUNK_BYTES = small_layout().chunk_bytes
 TOKENS = list(range(5000, 5064))  # 4 chunks
 
@@ -80,40 +77,6 @@ async def test_corrupt_remote_object_is_a_counted_miss(tmp_path, layout):
         assert await cache.lookup(TOKENS) == 32
 
 
-_CHILD = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    sys.path.insert(0, {root!r})
-    from kvtiers import TieredCache
-    from tests.conftest import make_kv, same_bytes, small_layout
-
-    async def main(cfg):
-        async with TieredCache.from_config(cfg) as cache:
-            tokens = list(range(5000, 5064))
-            n = await cache.lookup(tokens)
-            kv = await cache.load(tokens[:n])
-            ok = same_bytes(kv, make_kv(small_layout(), 64, seed=42)[:, :, :n])
-            tiers = {{t.name: t.hits for t in cache.stats().tiers}}
-            print(json.dumps({{"n": n, "same": ok, "hits": tiers}}))
-
-    asyncio.run(main(json.loads(sys.argv[1])))
-    """
-)
-
-
-def run_child(cfg: dict[str, Any]) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(root=str(ROOT)), json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
 @pytest.mark.slow
 async def test_another_process_loads_the_prefix_from_s3(moto_s3, layout):
     remote = remote_tier(
@@ -122,7 +85,7 @@ async def test_another_process_loads_the_prefix_from_s3(moto_s3, layout):
     cfg = config(remote)
     async with TieredCache.from_config(cfg) as cache:
         assert await cache.store(TOKENS, make_kv(layout, 64, seed=42)) == 64
-    result = await asyncio.to_thread(run_child, cfg)  # the moto server runs in this process
+    result = await asyncio.to_thread(run_child, cfg, "load", TOKENS)  # moto runs in this process
     assert result == {"n": 64, "same": True, "hits": {"dram": 0, "remote": 4}}
 
 
@@ -138,9 +101,10 @@ async def test_another_node_with_its_own_lmdb_loads_from_s3(moto_s3, tmp_path, l
 
     async with TieredCache.from_config(node("a")) as cache:
         assert await cache.store(TOKENS, make_kv(layout, 64, seed=42)) == 64
-    result = await asyncio.to_thread(run_child, node("b"))
+    result = await asyncio.to_thread(run_child, node("b"), "load", TOKENS)
     assert result == {"n": 64, "same": True, "hits": {"dram": 0, "lmdb": 0, "remote": 4}}
-    assert (await asyncio.to_thread(run_child, node("a")))["hits"]["lmdb"] == 4  # node a's disk
+    result = await asyncio.to_thread(run_child, node("a"), "load", TOKENS)
+    assert result["hits"]["lmdb"] == 4  # node a's disk
 
 
 # -- outage ----------------------------------------------------------------------------------

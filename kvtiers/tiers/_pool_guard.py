@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtiers.core.config import TierConfig
@@ -22,7 +23,7 @@ from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, StoreUnava
 from kvtiers.tiers._remote_options import Redactor
 from kvtiers.tiers.base import Buffer
 
-__all__ = ["StoreGuard", "StoreUnavailable", "StoredValues", "check_keys"]
+__all__ = ["PutPlan", "StoreGuard", "StoreUnavailable", "StoredValues", "check_keys", "plan_put"]
 
 logger = logging.getLogger("kvtiers")
 
@@ -127,6 +128,36 @@ def check_keys(keys: Sequence[ChunkKey]) -> None:
     for i, key in enumerate(keys):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise InvalidInputError(f"keys[{i}]: expected a {KEY_BYTES}-byte key, got {key!r:.60}")
+
+
+@dataclass(frozen=True, slots=True)
+class PutPlan:
+    """A pool tier's `put` batch: each key once, its source, and whether it is held."""
+
+    order: list[ChunkKey]
+    """The batch's keys in order, a repeated key once (it is written once)."""
+    sources: dict[ChunkKey, Buffer]
+    """The buffer to store under each key."""
+    held: dict[ChunkKey, bool]
+    """Whether the tier holds each key; all `False` at first, set as it finds or writes them."""
+
+    @property
+    def num_declined(self) -> int:
+        """How many of the batch's distinct keys the tier does not hold."""
+        return len(self.order) - sum(self.held.values())
+
+    def results(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Return, aligned with `keys`, whether the tier holds each one."""
+        return [self.held[key] for key in keys]
+
+
+def plan_put(keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> PutPlan:
+    """Return the plan of a `put` of `srcs` under `keys`, nothing held yet.
+
+    The caller has checked `keys` and `srcs`; a repeated key keeps its last source.
+    """
+    order = list(dict.fromkeys(keys))
+    return PutPlan(order, dict(zip(keys, srcs, strict=True)), dict.fromkeys(order, False))
 
 
 class StoredValues:

@@ -49,7 +49,13 @@ from kvtiers.tiers._mooncake_io import (
     bind_tcp,
     setup_client,
 )
-from kvtiers.tiers._pool_guard import StoredValues, StoreGuard, StoreUnavailable, check_keys
+from kvtiers.tiers._pool_guard import (
+    StoredValues,
+    StoreGuard,
+    StoreUnavailable,
+    check_keys,
+    plan_put,
+)
 from kvtiers.tiers._pool_options import MooncakeOptions
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
 from kvtiers.tiers.base import Buffer, Tier
@@ -284,9 +290,8 @@ class MooncakeTier(Tier):
         self._ensure_open()
         check_keys(keys)
         self._check_buffers(keys, srcs)
-        order = list(dict.fromkeys(keys))  # a repeated key is written once
-        held = dict.fromkeys(order, False)
-        sources = dict(zip(keys, srcs, strict=True))
+        plan = plan_put(keys, srcs)
+        order, held = plan.order, plan.held
         async with self._write_lock:
             for key in order:
                 if key in self._catalog:
@@ -301,9 +306,9 @@ class MooncakeTier(Tier):
             if victims:
                 self.counters.evictions += len(victims)
                 await self._remove(victims)
-            await self._put_new(new, sources, held)
-        self.counters.declined += len(order) - sum(held.values())
-        return [held[key] for key in keys]
+            await self._put_new(new, plan.sources, held)
+        self.counters.declined += plan.num_declined
+        return plan.results(keys)
 
     async def _put_new(
         self, keys: list[ChunkKey], sources: dict[ChunkKey, Buffer], held: dict[ChunkKey, bool]

@@ -47,7 +47,13 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
-from kvtiers.tiers._pool_guard import StoredValues, StoreGuard, StoreUnavailable, check_keys
+from kvtiers.tiers._pool_guard import (
+    StoredValues,
+    StoreGuard,
+    StoreUnavailable,
+    check_keys,
+    plan_put,
+)
 from kvtiers.tiers._pool_options import RedisOptions
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
 from kvtiers.tiers._remote_options import Redactor, display_url
@@ -293,10 +299,8 @@ class RedisTier(Tier):
         self._ensure_open()
         check_keys(keys)
         self._check_buffers(keys, srcs)
-        order = list(dict.fromkeys(keys))  # a repeated key is written once
-        held = dict.fromkeys(order, False)
-        sources = dict(zip(keys, srcs, strict=True))
-        per_call = self._per_call
+        plan = plan_put(keys, srcs)
+        order, sources, per_call = plan.order, plan.sources, self._per_call
         for start in range(0, len(order), per_call):
             batch = order[start : start + per_call]
             try:
@@ -305,11 +309,11 @@ class RedisTier(Tier):
                 self.counters.errors += 1
                 self._guard.counters.dropped_writes += len(order) - start
                 break
-            held.update(zip(batch, results, strict=True))
+            plan.held.update(zip(batch, results, strict=True))
             if not all(results):  # full: no deeper chunk is stored without this one
                 break
-        self.counters.declined += len(order) - sum(held.values())
-        return [held[key] for key in keys]
+        self.counters.declined += plan.num_declined
+        return plan.results(keys)
 
     async def _write(self, keys: Sequence[ChunkKey], sources: dict[ChunkKey, Buffer]) -> list[bool]:
         """Store `keys` with one script call; return which are held after it."""
