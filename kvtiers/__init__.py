@@ -21,7 +21,7 @@ from kvtiers.core.errors import (
 from kvtiers.core.events import ChunkRemoved, ChunkStored
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import CacheStats, TierStats, TierUsage
+from kvtiers.core.stats import CacheStats, LatencySnapshot, StoreHealth, TierStats, TierUsage
 
 __version__ = "0.1.0"
 
@@ -37,8 +37,10 @@ __all__ = [
     "InvalidInputError",
     "KVLayout",
     "KVTiersError",
+    "LatencySnapshot",
     "LayoutMismatch",
     "MetricsConfig",
+    "StoreHealth",
     "TierConfig",
     "TierError",
     "TierFullError",

@@ -1,8 +1,9 @@
 """`kvtiers stats URL`: what a running cache is doing, read from its metrics endpoint.
 
 Reads the Prometheus text a cache serves (`[metrics]` in its config) and prints the hit
-rate, why requests missed, and one line per tier; `--json` prints the same as JSON. Parses
-the text format itself, so it needs no `prometheus-client`.
+rate, why requests missed, latency quantiles (upper bounds of the histogram buckets), one
+line per tier, and the circuit breaker of tiers on a remote store; `--json` prints the same
+as JSON. Parses the text format itself, so it needs no `prometheus-client`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from kvtiers.core.config import format_size
 from kvtiers.core.errors import TierIOError
 
-__all__ = ["fetch_stats", "format_stats", "to_json"]
+__all__ = ["fetch_stats", "format_stats", "quantile", "to_json"]
 
 _LINE = re.compile(r"^(kvtiers_\w+?)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -52,10 +53,18 @@ def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
         )
         name = name.removeprefix("kvtiers_").removesuffix("_total")
         value = float(raw_value)
+        where = cache
         if "tier" in labels:
-            tier = cache["tiers"][labels["tier"]]
-            tier["kind"] = labels.get("kind", "")
-            tier[name.removeprefix("tier_")] = value
+            where = cache["tiers"][labels["tier"]]
+            where["kind"] = labels.get("kind", "")
+            name = name.removeprefix("tier_")
+        if name.startswith("op_seconds_") and "op" in labels:
+            _add_latency(where, labels, name.removeprefix("op_seconds_"), value)
+        elif name == "breaker_state":
+            if value == 1.0:
+                where["breaker"] = labels.get("state", "")
+        elif where is not cache:
+            where[name] = value
         elif name == "misses":
             cache["misses"][labels.get("reason", "")] = value
         else:
@@ -66,6 +75,39 @@ def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
     for cache in out:
         cache["tiers"] = dict(cache["tiers"])
     return {"url": url, "caches": out}
+
+
+def _add_latency(where: dict[str, Any], labels: dict[str, str], part: str, value: float) -> None:
+    op = where.setdefault("latency", {}).setdefault(labels["op"], {"buckets": {}})
+    if part == "bucket":
+        op["buckets"][labels.get("le", "+Inf")] = value
+    elif part in ("count", "sum"):
+        op[part] = value
+
+
+def quantile(latency: dict[str, Any], q: float) -> float | None:
+    """Return the upper bound (seconds) of the bucket holding quantile `q` of one operation.
+
+    `None` when nothing was recorded; `inf` past the last bound.
+    """
+    buckets = sorted((float(le), n) for le, n in latency.get("buckets", {}).items())
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return None
+    return next(le for le, n in buckets if n >= q * total)
+
+
+def _latency_line(latency: dict[str, Any]) -> str:
+    cells = []
+    for op, hist in sorted(latency.items()):
+        p50, p99 = quantile(hist, 0.5), quantile(hist, 0.99)
+        if p50 is not None and p99 is not None:
+            cells.append(f"{op} {_ms(p50)}/{_ms(p99)}")
+    return ", ".join(cells)
+
+
+def _ms(seconds: float) -> str:
+    return "inf" if seconds == float("inf") else f"{seconds * 1e3:g} ms"
 
 
 def format_stats(stats: dict[str, Any]) -> list[str]:
@@ -91,6 +133,9 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
         misses = cache["misses"]
         reasons = ", ".join(f"{r} {n:,.0f}" for r, n in sorted(misses.items(), key=lambda x: -x[1]))
         lines.append(f"  misses: {reasons or 'none'}")
+        latency = _latency_line(cache.get("latency", {}))
+        if latency:
+            lines.append(f"  latency p50/p99 (bucket bounds): {latency}")
         lines.append("  " + _row(("tier", "kind", "entries", "used", *_TIER_COLUMNS)))
         for name, tier in cache["tiers"].items():
             used = f"{format_size(int(tier.get('used_bytes', 0)))}/" + format_size(
@@ -99,6 +144,19 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
             counts = [f"{tier.get(c, 0):,.0f}" for c in _TIER_COLUMNS]
             row = (name, tier.get("kind", ""), f"{tier.get('num_entries', 0):,.0f}", used)
             lines.append("  " + _row((*row, *counts)))
+        for name, tier in cache["tiers"].items():
+            extra = []
+            if "breaker" in tier:
+                io = ", ".join(
+                    f"{field} {tier.get('io_' + field, 0):,.0f}"
+                    for field in ("requests", "failures", "timeouts", "refused", "dropped_writes")
+                )
+                extra.append(f"breaker {tier['breaker']} ({io})")
+            latency = _latency_line(tier.get("latency", {}))
+            if latency:
+                extra.append(f"p50/p99 {latency}")
+            if extra:
+                lines.append(f"  {name}: " + "; ".join(extra))
     return lines
 
 

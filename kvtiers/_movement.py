@@ -71,7 +71,9 @@ class Mover(WriteQueues):
         rest = keys[trusted:]
         found = [False] * len(rest)
         for slot in self._shared:
-            flags = await self._call(slot, slot.tier.contains(rest), [False] * len(rest))
+            flags = await self._call(
+                slot, "contains", slot.tier.contains(rest), [False] * len(rest)
+            )
             for j, flag in enumerate(flags):
                 if flag:
                     found[j] = True
@@ -130,7 +132,7 @@ class Mover(WriteQueues):
             keys = list(self._index.keys_in(slot.idx))
             for lo in range(0, len(keys), _CLEAR_BATCH):
                 part = keys[lo : lo + _CLEAR_BATCH]
-                await self._call(slot, slot.tier.delete(part), None)
+                await self._call(slot, "delete", slot.tier.delete(part), None)
                 for key in part:
                     self._drop(slot, key)
                     if slot.policy is not None:
@@ -231,7 +233,9 @@ class Mover(WriteQueues):
             # Straight into the caller's memory: one copy.
             dsts = [d for d in direct if d is not None]
             rest_keys = [keys[i] for i in rest]
-            return await self._call(slot, slot.tier.get(rest_keys, dsts), [False] * len(rest))
+            return await self._call(
+                slot, "get", slot.tier.get(rest_keys, dsts), [False] * len(rest)
+            )
         return await self._get_staged(slot, keys, rest, sink)
 
     async def _get_into(
@@ -244,9 +248,9 @@ class Mover(WriteQueues):
         default = [False] * len(keys)
         host = [v for v in views if isinstance(v, np.ndarray)]
         if len(host) == len(views):
-            return await self._call(slot, slot.tier.get(keys, host), default)
+            return await self._call(slot, "get", slot.tier.get(keys, host), default)
         stage = np.empty((len(keys), self._layout.chunk_bytes), dtype=np.uint8)
-        found = await self._call(slot, slot.tier.get(keys, list(stage)), default)
+        found = await self._call(slot, "get", slot.tier.get(keys, list(stage)), default)
         for row, view, flag in zip(stage, views, found, strict=True):
             if flag and isinstance(view, torch.Tensor):
                 view.copy_(torch.from_numpy(row))
@@ -262,7 +266,7 @@ class Mover(WriteQueues):
             with self._stages.take(len(part)) as stage:
                 bufs = list(stage)
                 flags = await self._call(
-                    slot, slot.tier.get([keys[i] for i in part], bufs), [False] * len(part)
+                    slot, "get", slot.tier.get([keys[i] for i in part], bufs), [False] * len(part)
                 )
                 hit = [j for j, flag in enumerate(flags) if flag]
                 if sink is not None:
@@ -288,7 +292,7 @@ class Mover(WriteQueues):
             if not unknown:
                 break
             ask = [keys[i] for i in unknown]
-            flags = await self._call(slot, slot.tier.contains(ask), [False] * len(ask))
+            flags = await self._call(slot, "contains", slot.tier.contains(ask), [False] * len(ask))
             for i, flag in zip(unknown, flags, strict=True):
                 if flag:
                     elsewhere.add(i)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -115,7 +116,7 @@ class Residency:
         srcs = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v for v in views]
         if isinstance(slot.tier, BlockTier):
             await self._make_room(slot, len(keys), protect=set(keys))
-        flags = await self._call(slot, slot.tier.put(keys, srcs), [False] * len(keys))
+        flags = await self._call(slot, "put", slot.tier.put(keys, srcs), [False] * len(keys))
         if slot.policy is not None:
             for key, flag in zip(reversed(keys), reversed(flags), strict=True):
                 if flag:
@@ -193,12 +194,14 @@ class Residency:
         finally:
             self._evicting.difference_update(victims)
 
-    async def _call(self, slot: Slot, op: Awaitable[_T], default: _T) -> _T:
-        """Await a tier operation, turning a tier failure into `default` (misses).
+    async def _call(self, slot: Slot, name: str, op: Awaitable[_T], default: _T) -> _T:
+        """Await the tier operation `name`, turning a tier failure into `default` (misses).
 
         Any exception a tier raises counts: a backend error that escaped the tier's own
-        translation must not reach the engine either. Cancellation still propagates.
+        translation must not reach the engine either. Cancellation still propagates. The
+        call's duration goes into the tier's latency histogram of `name`, failed or not.
         """
+        start = time.perf_counter()
         try:
             return await op
         except Exception as exc:
@@ -212,6 +215,8 @@ class Residency:
             slot.tier.counters.errors += 1
             self._errors += 1
             return default
+        finally:
+            slot.tier.counters.observe(name, time.perf_counter() - start)
 
     def _stored(self, slot: Slot, key: ChunkKey) -> None:
         """Report that `key` became resident in `slot` (when events are on)."""

@@ -22,6 +22,7 @@ from kvtiers._endpoints import (
     TensorSource,
 )
 from kvtiers._movement import Mover, Slot
+from kvtiers._tally import CallTally
 from kvtiers._tensors import as_tokens, check_chunks, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
@@ -93,20 +94,7 @@ class TieredCache:
         self._stack = AsyncExitStack()
         self._engines: dict[torch.device, CopyEngine] = {}
         self._metrics: MetricsServer | None = None
-        self._counts: dict[str, float] = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_tokens",
-                "hit_tokens",
-                "loads",
-                "loaded_tokens",
-                "loaded_bytes",
-                "load_seconds",
-                "stores",
-                "stored_tokens",
-            ),
-            0,
-        )
+        self._tally = CallTally()
 
     @classmethod
     def from_config(
@@ -214,13 +202,12 @@ class TieredCache:
             TokenError: `tokens` is not a 1-D sequence of non-negative integer ids.
         """
         self._ensure_open()
+        start = time.perf_counter()
         arr = as_tokens(tokens)
         keys = self._hasher.keys_of_array(arr, salt)
         num_chunks = await self._mover.lookup(keys)
         hit = num_chunks * self.layout.chunk_size
-        self._counts["lookups"] += 1
-        self._counts["lookup_tokens"] += len(arr)
-        self._counts["hit_tokens"] += hit
+        self._tally.lookup(len(arr), hit, time.perf_counter() - start)
         return hit
 
     async def load(
@@ -258,10 +245,7 @@ class TieredCache:
         sink = TensorSink(self.layout, out)
         loaded = await self._mover.load(keys, sink) if keys else 0
         result = out.narrow(2, 0, loaded * self.layout.chunk_size)
-        self._counts["loads"] += 1
-        self._counts["loaded_tokens"] += loaded * self.layout.chunk_size
-        self._counts["loaded_bytes"] += loaded * self.layout.chunk_bytes
-        self._counts["load_seconds"] += time.perf_counter() - start
+        self._record_load(loaded, start)
         return result
 
     async def store(self, tokens: Any, kv: torch.Tensor, *, salt: Salt = None) -> int:
@@ -284,15 +268,13 @@ class TieredCache:
             LayoutMismatch: `kv` does not match the layout or the number of tokens.
         """
         self._ensure_open()
+        start = time.perf_counter()
         arr = as_tokens(tokens)
         check_kv(self.layout, kv, len(arr))
         keys = self._hasher.keys_of_array(arr, salt)
         source = TensorSource(self.layout, kv)
         new_chunks = await self._mover.store(keys, source) if keys else 0
-        stored = new_chunks * self.layout.chunk_size
-        self._counts["stores"] += 1
-        self._counts["stored_tokens"] += stored
-        return stored
+        return self._record_store(new_chunks, start)
 
     async def store_paged(
         self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
@@ -317,14 +299,13 @@ class TieredCache:
             InvalidInputError: a bad block table; nothing is written.
         """
         self._ensure_open()
+        start = time.perf_counter()
         paged.check_layout(self.layout)
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         engine = await self._copy_engine(paged.device)
         source = PagedSource(self.layout, engine, paged, block_table)
-        stored = (await self._mover.store(keys, source) if keys else 0) * self.layout.chunk_size
-        self._counts["stores"] += 1
-        self._counts["stored_tokens"] += stored
-        return stored
+        new_chunks = await self._mover.store(keys, source) if keys else 0
+        return self._record_store(new_chunks, start)
 
     async def load_paged(
         self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
@@ -348,12 +329,19 @@ class TieredCache:
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         engine = await self._copy_engine(paged.device)
         sink = PagedSink(self.layout, engine, paged, block_table)
-        loaded = (await self._mover.load(keys, sink) if keys else 0) * self.layout.chunk_size
-        self._counts["loads"] += 1
-        self._counts["loaded_tokens"] += loaded
-        self._counts["loaded_bytes"] += loaded * self.layout.bytes_per_token
-        self._counts["load_seconds"] += time.perf_counter() - start
-        return loaded
+        loaded = await self._mover.load(keys, sink) if keys else 0
+        self._record_load(loaded, start)
+        return loaded * self.layout.chunk_size
+
+    def _record_load(self, num_chunks: int, start: float) -> None:
+        size = self.layout.chunk_size
+        seconds = time.perf_counter() - start
+        self._tally.load(num_chunks * size, num_chunks * self.layout.chunk_bytes, seconds)
+
+    def _record_store(self, new_chunks: int, start: float) -> int:
+        stored = new_chunks * self.layout.chunk_size
+        self._tally.store(stored, time.perf_counter() - start)
+        return stored
 
     async def _copy_engine(self, device: torch.device) -> CopyEngine:
         engine = self._engines.get(device)
@@ -397,12 +385,11 @@ class TieredCache:
             InvalidInputError: a key is not 16 bytes.
         """
         self._ensure_open()
+        start = time.perf_counter()
         keys = _check_keys(keys)
         num_chunks = await self._mover.lookup(keys)
         size = self.layout.chunk_size
-        self._counts["lookups"] += 1
-        self._counts["lookup_tokens"] += len(keys) * size
-        self._counts["hit_tokens"] += num_chunks * size
+        self._tally.lookup(len(keys) * size, num_chunks * size, time.perf_counter() - start)
         return num_chunks
 
     async def get_chunks(
@@ -436,11 +423,7 @@ class TieredCache:
         found = await self._mover.gather(keys, ChunkSink(self.layout, tensors))
         if parent is not None and keys:
             self._index.attach(keys[0], parent)
-        loaded = sum(found)
-        self._counts["loads"] += 1
-        self._counts["loaded_tokens"] += loaded * self.layout.chunk_size
-        self._counts["loaded_bytes"] += loaded * self.layout.chunk_bytes
-        self._counts["load_seconds"] += time.perf_counter() - start
+        self._record_load(sum(found), start)
         return found
 
     async def put_chunks(
@@ -459,13 +442,13 @@ class TieredCache:
             LayoutMismatch: a source has the wrong dtype or shape, or the counts differ.
         """
         self._ensure_open()
+        start = time.perf_counter()
         keys = _check_keys(keys)
         tensors = check_chunks(self.layout, srcs, len(keys), "srcs")
         new_chunks = await self._mover.store(keys, ChunkSource(self.layout, tensors)) if keys else 0
         if parent is not None and keys:
             self._index.attach(keys[0], parent)
-        self._counts["stores"] += 1
-        self._counts["stored_tokens"] += new_chunks * self.layout.chunk_size
+        self._record_store(new_chunks, start)
         return self._mover.held(keys)
 
     async def clear(self) -> int:
@@ -500,20 +483,21 @@ class TieredCache:
 
     def stats(self) -> CacheStats:
         """Return a snapshot of the cache's and every tier's counters."""
-        c = self._counts
+        t = self._tally
         return CacheStats(
-            lookups=int(c["lookups"]),
-            lookup_tokens=int(c["lookup_tokens"]),
-            hit_tokens=int(c["hit_tokens"]),
-            loads=int(c["loads"]),
-            loaded_tokens=int(c["loaded_tokens"]),
-            loaded_bytes=int(c["loaded_bytes"]),
-            load_seconds=c["load_seconds"],
-            stores=int(c["stores"]),
-            stored_tokens=int(c["stored_tokens"]),
+            lookups=t.lookups,
+            lookup_tokens=t.lookup_tokens,
+            hit_tokens=t.hit_tokens,
+            loads=t.loads,
+            loaded_tokens=t.loaded_tokens,
+            loaded_bytes=t.loaded_bytes,
+            load_seconds=t.load_seconds,
+            stores=t.stores,
+            stored_tokens=t.stored_tokens,
             write_queue_chunks=self._mover.queued_chunks(),
             miss_reasons=dict(self._mover.miss_reasons),
             events_dropped=self._events.dropped if self._events is not None else 0,
+            latency=t.latency(),
             tiers=tuple(slot.tier.stats() for slot in self._slots),
         )
 

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from kvtiers.core.config import MetricsConfig
-from kvtiers.core.stats import CacheStats, TierStats
+from kvtiers.core.stats import CacheStats, LatencySnapshot, TierStats
 
 __all__ = ["MetricsServer", "metric_families"]
 
@@ -39,8 +39,9 @@ _CACHE_COUNTERS = {
     "stored_tokens": "Tokens newly stored (chunks no tier held before).",
     "events_dropped": "KV events dropped because the event queue was full.",
 }
-# TierStats fields that are not counters.
-_TIER_SKIP = {"name", "kind", "usage"}
+# TierStats fields that are not plain counters (exported in their own forms).
+_TIER_SKIP = {"name", "kind", "usage", "latency", "breaker", "io"}
+_BREAKER_STATES = ("closed", "open", "half_open")
 _SCRAPE_TIMEOUT_S = 5.0
 
 
@@ -51,7 +52,11 @@ def metric_families(stats: CacheStats, labels: dict[str, str]) -> Iterator[Any]:
         stats: the snapshot (`TieredCache.stats()`).
         labels: constant labels of this cache (the model, the TP rank).
     """
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 
     names, values = list(labels), list(labels.values())
     for field, text in _CACHE_COUNTERS.items():
@@ -71,11 +76,31 @@ def metric_families(stats: CacheStats, labels: dict[str, str]) -> Iterator[Any]:
     )
     queue.add_metric(values, float(stats.write_queue_chunks))
     yield queue
+    ops = HistogramMetricFamily(
+        "kvtiers_op_seconds", "Duration of the cache's calls, by operation.", labels=[*names, "op"]
+    )
+    for op, hist in sorted(stats.latency.items()):
+        ops.add_metric([*values, op], _buckets(hist), hist.total_seconds)
+    yield ops
     yield from _tier_families(stats.tiers, names, values)
+    yield from _store_families(stats.tiers, names, values)
+
+
+def _buckets(hist: LatencySnapshot) -> list[tuple[str, float]]:
+    """Return the cumulative buckets of `hist` in Prometheus' form, +Inf last."""
+    out, seen = [], 0
+    for bound, num in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
+        seen += num
+        out.append(("+Inf" if bound == float("inf") else repr(bound), float(seen)))
+    return out
 
 
 def _tier_families(tiers: tuple[TierStats, ...], names: list[str], values: list[str]) -> Any:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 
     tier_names = [*names, "tier", "kind"]
     fields = [f.name for f in dataclasses.fields(TierStats) if f.name not in _TIER_SKIP]
@@ -96,6 +121,42 @@ def _tier_families(tiers: tuple[TierStats, ...], names: list[str], values: list[
         for tier in tiers:
             gauge.add_metric([*values, tier.name, tier.kind], float(getattr(tier.usage, field)))
         yield gauge
+    ops = HistogramMetricFamily(
+        "kvtiers_tier_op_seconds",
+        "Per tier: duration of the cache's calls to the tier, by operation.",
+        labels=[*tier_names, "op"],
+    )
+    for tier in tiers:
+        for op, hist in sorted(tier.latency.items()):
+            ops.add_metric([*values, tier.name, tier.kind, op], _buckets(hist), hist.total_seconds)
+    yield ops
+
+
+def _store_families(tiers: tuple[TierStats, ...], names: list[str], values: list[str]) -> Any:
+    """Breaker state and request counters of the tiers that reach a remote store."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    tier_names = [*names, "tier", "kind"]
+    guarded = [tier for tier in tiers if tier.breaker is not None]
+    state = GaugeMetricFamily(
+        "kvtiers_tier_breaker_state",
+        "Per tier with a remote store: 1 for the circuit breaker's current state, else 0.",
+        labels=[*tier_names, "state"],
+    )
+    for tier in guarded:
+        for name in _BREAKER_STATES:
+            state.add_metric([*values, tier.name, tier.kind, name], float(tier.breaker == name))
+    yield state
+    fields = sorted({field for tier in guarded for field in tier.io})
+    for field in fields:
+        family = CounterMetricFamily(
+            f"kvtiers_tier_io_{field}",
+            f"Per tier with a remote store: {field.replace('_', ' ')} (requests to the store).",
+            labels=tier_names,
+        )
+        for tier in guarded:
+            family.add_metric([*values, tier.name, tier.kind], float(tier.io.get(field, 0)))
+        yield family
 
 
 class _Collector:

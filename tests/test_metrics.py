@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+import uuid
 
 import pytest
 
 from kvtiers import ConfigError, TieredCache, load_config
+from kvtiers._cli_stats import quantile
 from tests.conftest import make_config, make_kv
 
 parser = pytest.importorskip("prometheus_client.parser")
@@ -97,7 +99,10 @@ def test_bad_metrics_config_names_the_field(metrics, field):
 async def test_stats_cli_reads_a_running_cache(layout, capsys):
     from kvtiers.cli import main
 
-    async with TieredCache.from_config(metrics_config(dram_chunks=4)) as cache:
+    cfg = metrics_config(dram_chunks=4)
+    url = f"memory://stats-cli/{uuid.uuid4().hex[:8]}"
+    cfg["tiers"].append({"kind": "remote", "url": url, "capacity": "1MiB"})
+    async with TieredCache.from_config(cfg) as cache:
         tokens = list(range(64))
         await cache.store(tokens, make_kv(layout, 64))
         await cache.lookup(tokens)
@@ -113,6 +118,12 @@ async def test_stats_cli_reads_a_running_cache(layout, capsys):
     (only,) = data["caches"]
     assert only["lookups"] == 2 and only["misses"] == {"never_stored": 1.0}
     assert only["tiers"]["dram"]["num_entries"] == 4
+    assert "latency p50/p99 (bucket bounds): lookup " in text
+    assert "remote: breaker closed (requests " in text
+    assert only["tiers"]["remote"]["breaker"] == "closed"
+    assert only["latency"]["lookup"]["count"] == 2
+    assert quantile(only["latency"]["lookup"], 0.5) is not None
+    assert only["tiers"]["remote"]["latency"]["contains"]["count"] >= 1
 
 
 def test_stats_cli_unreachable_endpoint_fails_cleanly(capsys):
@@ -121,3 +132,63 @@ def test_stats_cli_unreachable_endpoint_fails_cleanly(capsys):
 
     assert main(["stats", f"127.0.0.1:{free_port()}"]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+async def test_latency_histograms_count_every_call(tmp_path, layout):
+    cfg = metrics_config(tmp_path=tmp_path, dram_chunks=4, lmdb_chunks=64)
+    async with TieredCache.from_config(cfg) as cache:
+        for base in (0, 1000, 2000):
+            await cache.store(list(range(base, base + 32)), make_kv(layout, 32))
+        for base in (0, 1000):
+            await cache.lookup(list(range(base, base + 32)))
+        await cache.flush()
+        await cache.load(list(range(32)))  # evicted from dram: read from lmdb
+        got = await asyncio.to_thread(scrape, cache.metrics_url)
+        stats = cache.stats()
+    rank = ("tp_rank", "0")
+    for op, calls in (("lookup", 2), ("load", 1), ("store", 3)):
+        assert got[("kvtiers_op_seconds_count", (("op", op), rank))] == calls
+        inf = got[("kvtiers_op_seconds_bucket", (("le", "+Inf"), ("op", op), rank))]
+        assert inf == calls
+        assert stats.latency[op].count == calls
+        assert got[("kvtiers_op_seconds_sum", (("op", op), rank))] == pytest.approx(
+            stats.latency[op].total_seconds
+        )
+    lmdb = (("kind", "lmdb"), ("op", "get"), ("tier", "lmdb"), rank)
+    assert got[("kvtiers_tier_op_seconds_count", lmdb)] >= 1
+    assert stats.tiers[1].latency["put"].count >= 1
+    assert stats.tiers[1].breaker is None and stats.tiers[1].io == {}
+
+
+def test_breaker_state_and_store_requests_become_metrics():
+    from prometheus_client.core import Metric
+
+    from kvtiers.core.stats import CacheStats, TierStats, TierUsage
+    from kvtiers.metrics import metric_families
+
+    tier = TierStats(
+        name="s3", kind="remote", usage=TierUsage(1, 0, 0), breaker="open", io={"refused": 7}
+    )
+    families: dict[str, Metric] = {
+        f.name: f for f in metric_families(CacheStats(tiers=(tier,)), {"model": "m"})
+    }
+    states = {s.labels["state"]: s.value for s in families["kvtiers_tier_breaker_state"].samples}
+    assert states == {"closed": 0.0, "open": 1.0, "half_open": 0.0}
+    (refused,) = families["kvtiers_tier_io_refused"].samples
+    assert refused.value == 7 and refused.labels["tier"] == "s3"
+
+
+def test_latency_quantiles_are_bucket_bounds():
+    from kvtiers.core.stats import LATENCY_BUCKETS, LatencyHistogram
+
+    hist = LatencyHistogram()
+    assert hist.snapshot().quantile(0.5) == 0.0
+    for seconds in (0.0001, 0.0003, 0.0003, 0.004, 20.0):
+        hist.observe(seconds)
+    snap = hist.snapshot()
+    assert snap.count == 5 and snap.total_seconds == pytest.approx(20.0047)
+    assert snap.counts[0] == 1  # a duration equal to a bound counts in its bucket
+    assert snap.quantile(0.5) == 0.0005
+    assert snap.quantile(0.8) == 0.005
+    assert snap.quantile(1.0) == float("inf")
+    assert len(snap.counts) == len(LATENCY_BUCKETS) + 1

@@ -2,9 +2,82 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field, fields
 
-__all__ = ["CacheStats", "TierCounters", "TierStats", "TierUsage"]
+__all__ = [
+    "LATENCY_BUCKETS",
+    "CacheStats",
+    "LatencyHistogram",
+    "LatencySnapshot",
+    "StoreHealth",
+    "TierCounters",
+    "TierStats",
+    "TierUsage",
+]
+
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Upper bounds in seconds of the latency buckets (100 µs to 10 s; slower goes to +Inf)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySnapshot:
+    """How long an operation took, as counts per bucket."""
+
+    bounds: tuple[float, ...]
+    """Upper bounds of the buckets in seconds, ascending (a duration equal to one counts in
+    its bucket, as Prometheus' `le` does)."""
+    counts: tuple[int, ...]
+    """Operations per bucket, not cumulative; one more entry than `bounds`: the +Inf bucket."""
+    total_seconds: float
+    """Sum of all the durations."""
+
+    @property
+    def count(self) -> int:
+        """Return the number of operations."""
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float:
+        """Return the upper bound of the bucket holding quantile `q` (0 < q <= 1).
+
+        `inf` when it lies past the last bound; 0.0 when nothing was recorded.
+        """
+        total = self.count
+        if not total:
+            return 0.0
+        rank, seen = q * total, 0
+        for bound, num in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            seen += num
+            if seen >= rank:
+                return bound
+        return float("inf")
+
+
+@dataclass(slots=True)
+class LatencyHistogram:
+    """Durations of one operation in the fixed `LATENCY_BUCKETS` (mutable).
+
+    Recording costs one bisect and two additions, so operations record every call.
+    """
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total_seconds: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Record one operation that took `seconds`."""
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total_seconds += seconds
+
+    def snapshot(self) -> LatencySnapshot:
+        """Return a frozen copy."""
+        return LatencySnapshot(LATENCY_BUCKETS, tuple(self.counts), self.total_seconds)
+
+
+def _snapshots(histograms: dict[str, LatencyHistogram]) -> dict[str, LatencySnapshot]:
+    return {op: hist.snapshot() for op, hist in sorted(histograms.items())}
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +90,16 @@ class TierUsage:
     """Bytes of chunk data held now."""
     num_entries: int
     """Chunks held now."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    """How a tier's remote store is doing, as its requests saw it."""
+
+    breaker: str
+    """The circuit breaker's state: "closed", "open" or "half_open"."""
+    io: dict[str, int]
+    """Request counters (requests, retries, failures, timeouts, refused, ...)."""
 
 
 @dataclass(slots=True)
@@ -49,11 +132,37 @@ class TierCounters:
     """Of `corrupt`, entries without a valid integrity tag (tiers with `integrity` on)."""
     errors: int = 0
     """Backend failures turned into misses or declined writes."""
+    latency: dict[str, LatencyHistogram] = field(default_factory=dict)
+    """Durations of the cache's calls to the tier, by operation ("contains", "get", "put",
+    "delete")."""
 
-    def snapshot(self, name: str, kind: str, usage: TierUsage) -> TierStats:
-        """Return a frozen copy of the counters with the tier's usage."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TierStats(name=name, kind=kind, usage=usage, **values)
+    def observe(self, op: str, seconds: float) -> None:
+        """Record that a call of `op` to the tier took `seconds`."""
+        hist = self.latency.get(op)
+        if hist is None:
+            hist = self.latency[op] = LatencyHistogram()
+        hist.observe(seconds)
+
+    def snapshot(
+        self,
+        name: str,
+        kind: str,
+        usage: TierUsage,
+        *,
+        breaker: str | None = None,
+        io: dict[str, int] | None = None,
+    ) -> TierStats:
+        """Return a frozen copy of the counters with the tier's usage (and store health)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "latency"}
+        return TierStats(
+            name=name,
+            kind=kind,
+            usage=usage,
+            **values,
+            latency=_snapshots(self.latency),
+            breaker=breaker,
+            io=dict(io or {}),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +185,13 @@ class TierStats:
     foreign: int = 0
     forged: int = 0
     errors: int = 0
+    latency: dict[str, LatencySnapshot] = field(default_factory=dict)
+    breaker: str | None = None
+    """The state of the tier's circuit breaker ("closed", "open", "half_open"); `None` for a
+    tier without one (dram, lmdb)."""
+    io: dict[str, int] = field(default_factory=dict)
+    """What requests to the tier's store went through (requests, retries, failures,
+    timeouts, refused, dropped_writes, full); empty for a tier without a remote store."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +225,10 @@ class CacheStats:
     "load_short". See docs/operations.md for what to change for each."""
     events_dropped: int = 0
     """KV events dropped because the event queue was full (see `TieredCache.take_events`)."""
+    latency: dict[str, LatencySnapshot] = field(default_factory=dict)
+    """Durations of the cache's calls, by operation: "lookup" (`lookup`, `lookup_keys`),
+    "load" (`load`, `load_paged`, `get_chunks`), "store" (`store`, `store_paged`,
+    `put_chunks`)."""
     tiers: tuple[TierStats, ...] = field(default_factory=tuple)
     """Per-tier snapshots, top first."""
 

@@ -8,11 +8,14 @@ closes the breaker, its failure opens it for another cool-down.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
+
+from kvtiers.core.stats import StoreHealth
 
 __all__ = [
     "BreakerState",
@@ -21,6 +24,7 @@ __all__ = [
     "StoreFull",
     "StoreUnavailable",
     "gather_all",
+    "health_of",
 ]
 
 _T = TypeVar("_T")
@@ -139,3 +143,8 @@ class IOCounters:
     """Chunks `put` dropped because the store was unavailable."""
     full: int = 0
     """Writes the store refused for lack of space (not retried; the breaker stays closed)."""
+
+
+def health_of(breaker: CircuitBreaker, counters: IOCounters) -> StoreHealth:
+    """Return what `Tier.store_health` reports for a store behind `breaker`."""
+    return StoreHealth(breaker.state.name.lower(), dataclasses.asdict(counters))

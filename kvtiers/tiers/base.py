@@ -15,7 +15,7 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import TierCounters, TierStats, TierUsage
+from kvtiers.core.stats import StoreHealth, TierCounters, TierStats, TierUsage
 
 __all__ = ["Buffer", "Tier", "TierState", "check_option_keys"]
 
@@ -163,6 +163,19 @@ class Tier(ABC):
     def usage(self) -> TierUsage:
         """Return the tier's capacity and what it holds now."""
 
+    def store_health(self) -> StoreHealth | None:
+        """Return the breaker state and request counters of the tier's remote store.
+
+        `None` (the default) for a tier without one; tiers that reach a store over the
+        network (remote, redis, mooncake) override it.
+        """
+        return None
+
     def stats(self) -> TierStats:
         """Return a snapshot of the tier's counters and usage."""
-        return self.counters.snapshot(self.name, self.kind, self.usage())
+        health = self.store_health()
+        if health is None:
+            return self.counters.snapshot(self.name, self.kind, self.usage())
+        return self.counters.snapshot(
+            self.name, self.kind, self.usage(), breaker=health.breaker, io=health.io
+        )

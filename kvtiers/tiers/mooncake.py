@@ -36,7 +36,7 @@ from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import TierUsage
+from kvtiers.core.stats import StoreHealth, TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._mooncake_io import (
@@ -57,7 +57,7 @@ from kvtiers.tiers._pool_guard import (
     plan_put,
 )
 from kvtiers.tiers._pool_options import MooncakeOptions
-from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
+from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
 from kvtiers.tiers.base import Buffer, Tier
 
 __all__ = ["MooncakeOptions", "MooncakeTier"]
@@ -122,6 +122,10 @@ class MooncakeTier(Tier):
     def io_counters(self) -> IOCounters:
         """What the calls to the store went through: failures, timeouts, refusals."""
         return self._guard.counters
+
+    def store_health(self) -> StoreHealth:
+        # docstring inherited
+        return health_of(self._guard.breaker, self._guard.counters)
 
     # -- lifecycle ---------------------------------------------------------------------
 

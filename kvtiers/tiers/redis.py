@@ -44,7 +44,7 @@ from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import TierUsage
+from kvtiers.core.stats import StoreHealth, TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._pool_guard import (
@@ -55,7 +55,7 @@ from kvtiers.tiers._pool_guard import (
     plan_put,
 )
 from kvtiers.tiers._pool_options import RedisOptions
-from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
+from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
 from kvtiers.tiers._remote_options import Redactor, display_url
 from kvtiers.tiers.base import Buffer, Tier
 
@@ -186,6 +186,10 @@ class RedisTier(Tier):
     def io_counters(self) -> IOCounters:
         """What the requests to the server went through: failures, timeouts, refusals."""
         return self._guard.counters
+
+    def store_health(self) -> StoreHealth:
+        # docstring inherited
+        return health_of(self._guard.breaker, self._guard.counters)
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -47,11 +47,11 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, InvalidInputError
 from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import TierUsage
+from kvtiers.core.stats import StoreHealth, TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._integrity import auth_key_from_config
-from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all
+from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all, health_of
 from kvtiers.tiers._remote_catalog import (
     ACCESS_DIR,
     AccessLog,
@@ -138,6 +138,10 @@ class RemoteTier(Tier):
     def io_counters(self) -> IOCounters:
         """What the requests to the store went through: retries, timeouts, refusals."""
         return self._store.counters
+
+    def store_health(self) -> StoreHealth:
+        # docstring inherited
+        return health_of(self._store.breaker, self._store.counters)
 
     # -- lifecycle ---------------------------------------------------------------------
 

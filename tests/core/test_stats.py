@@ -11,14 +11,20 @@ from kvtiers.core.stats import CacheStats, TierCounters, TierStats, TierUsage
 
 def test_snapshot_copies_every_counter() -> None:
     counters = TierCounters()
-    for i, f in enumerate(dataclasses.fields(TierCounters), start=1):
+    plain = [f for f in dataclasses.fields(TierCounters) if f.name != "latency"]
+    for i, f in enumerate(plain, start=1):
         setattr(counters, f.name, i)
+    counters.observe("get", 0.002)
     usage = TierUsage(capacity_bytes=100, used_bytes=40, num_entries=2)
     snap = counters.snapshot("dram", "dram", usage)
     assert isinstance(snap, TierStats)
     assert (snap.name, snap.kind, snap.usage) == ("dram", "dram", usage)
-    for i, f in enumerate(dataclasses.fields(TierCounters), start=1):
+    for i, f in enumerate(plain, start=1):
         assert getattr(snap, f.name) == i, f.name
+    assert snap.latency["get"].count == 1 and snap.latency["get"].quantile(1.0) == 0.0025
+    assert snap.breaker is None and snap.io == {}
+    counters.observe("get", 0.002)
+    assert snap.latency["get"].count == 1  # detached
 
 
 def test_snapshot_is_frozen_and_detached() -> None:
@@ -33,7 +39,7 @@ def test_snapshot_is_frozen_and_detached() -> None:
 def test_tier_stats_fields_mirror_counters() -> None:
     counter_names = [f.name for f in dataclasses.fields(TierCounters)]
     stats_names = [f.name for f in dataclasses.fields(TierStats)]
-    assert stats_names == ["name", "kind", "usage", *counter_names]
+    assert stats_names == ["name", "kind", "usage", *counter_names, "breaker", "io"]
 
 
 def test_hit_rate() -> None:

@@ -201,3 +201,23 @@ async def test_stragglers_return_defaults_in_time_and_are_drained() -> None:
 
     with pytest.raises(OSError, match="boom"):
         await stragglers.within(1.0, [broken(), broken()], -1)
+
+
+async def test_breaker_state_is_reported_while_the_store_fails_and_after() -> None:
+    cfg = _config(f"faulty://pool/{uuid.uuid4().hex[:8]}", breaker_failures=2)
+    cfg["tiers"][1]["breaker_cooldown"] = 0.2
+    convs = _conversations(4)
+    await _populate(cfg, convs)
+    async with TieredCache.from_config(cfg) as cache:
+        assert cache.stats().tiers[1].breaker == "closed"
+        faulty.ACTIVE = faulty.Faults(error_rate=1.0)
+        for tokens, _ in convs:
+            await cache.lookup(tokens)
+        remote = cache.stats().tiers[1]
+        assert remote.breaker == "open"
+        assert remote.io["failures"] >= 2 and remote.io["refused"] >= 1
+        faulty.ACTIVE.off()
+        await asyncio.sleep(0.3)
+        await cache.lookup(convs[0][0])  # its first request is the probe; the rest wait
+        assert cache.stats().tiers[1].breaker == "closed"
+        assert await cache.lookup(convs[0][0]) == 64
