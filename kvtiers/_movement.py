@@ -150,12 +150,31 @@ class Mover(WriteQueues):
         return _leading(done)
 
     async def _gather(self, keys: Sequence[ChunkKey], sink: Sink | None, done: list[bool]) -> None:
-        """Deliver each chunk from the highest tier holding it, promoting lower-tier hits."""
-        start = 0
+        """Deliver each chunk from the highest tier holding it, promoting lower-tier hits.
+
+        First every lower tier reads, all at once, the chunks the index places highest in
+        it (a load split between lmdb and a remote store waits for the slower of the two,
+        not their sum); then, tier by tier, what is left: chunks whose hint was stale, and
+        chunks only a shared tier may hold (another process wrote them).
+        """
+        lower = self._slots[1:] if self._memtop is not None else self._slots
         if self._memtop is not None:
             await self._gather_top(keys, sink, done)
-            start = 1
-        for slot in self._slots[start:]:
+        plan: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            mask = 0 if done[i] else self._index.tiers_of(key)
+            for slot in lower:
+                if mask & (1 << slot.idx):
+                    plan.setdefault(slot.idx, []).append(i)
+                    break
+        if len(plan) > 1:
+            await asyncio.gather(
+                *(
+                    self._gather_from(self._slots[idx], keys, todo, sink, done)
+                    for idx, todo in plan.items()
+                )
+            )
+        for slot in lower:
             bit = 1 << slot.idx
             todo = [
                 i

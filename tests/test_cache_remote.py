@@ -58,6 +58,35 @@ async def test_a_fresh_cache_loads_what_another_stored(tmp_path, layout, write_p
         assert remote.hits > 0 and dram.promotions > 0
 
 
+async def test_a_load_split_between_lmdb_and_remote_reads_both_at_once(tmp_path, layout):
+    url = file_url(tmp_path)
+    tokens, kv = list(range(8000, 8128)), make_kv(layout, 128, seed=5)  # 8 chunks
+    async with TieredCache.from_config(config(remote_tier(url))) as first:
+        await first.store(tokens, kv)
+    lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "4MiB"}
+    async with TieredCache.from_config(config(lmdb, remote_tier(url), dram_chunks=8)) as cache:
+        assert await cache.lookup(tokens) == 128  # the index learns: all in remote
+        await cache.store(tokens[:64], kv[:, :, :64])  # the first 4 also into lmdb
+        await cache.flush()
+        await cache.store(list(range(64)), make_kv(layout, 128)[:, :, :64])
+        await cache.store(list(range(100, 164)), make_kv(layout, 64))  # dram holds neither
+        log: list[str] = []
+        for tier in cache.tiers[1:]:
+            get = tier.get
+
+            async def logged(keys, dsts, _get=get, _name=tier.name):
+                log.append(f"start {_name}")
+                await asyncio.sleep(0.05)  # both calls are in flight before either ends
+                found = await _get(keys, dsts)
+                log.append(f"end {_name}")
+                return found
+
+            tier.get = logged
+        assert same_bytes(await cache.load(tokens), kv)
+    assert log[:2] == ["start lmdb", "start remote"] or log[:2] == ["start remote", "start lmdb"]
+    assert sorted(log) == ["end lmdb", "end remote", "start lmdb", "start remote"]
+
+
 async def test_corrupt_remote_object_is_a_counted_miss(tmp_path, layout):
     cfg = config(remote_tier(file_url(tmp_path)))
     kv = make_kv(layout, 64)

@@ -1,0 +1,145 @@
+"""A load split between LMDB and a remote tier: both tiers read at once, not one after the other.
+
+A node that has cached the head of a long prompt in its LMDB tier and finds the tail in the
+pool (a loopback S3 server, moto) loads the whole prompt: a DRAM tier over LMDB over
+`remote`, the index knowing which tier holds which chunk. `TieredCache.get_chunks` of all
+chunks is timed against the same call for each part alone (the LMDB head, then the remote
+tail), in the same run, each round on a freshly opened cache (DRAM empty, the LMDB file
+dropped from the page cache). moto serves a chunk several times slower than a cold LMDB
+read on this kind of machine, so the head is 7/8 of the chunks: the two parts then take
+about as long, where overlapping them matters most.
+
+- vs the two parts one after the other: what a load cost when tiers were read in turn;
+  the ratio is the speed-up (at most 2 when the parts take equally long).
+- vs the slower part alone: the best any overlap can do; the ratio is the fraction of it
+  reached (target >= 0.8).
+
+Chunks are 8 MiB (bench_dram's layout, 64 tokens), 64 of them (32 with `--quick`).
+Run alone: `python -m benchmarks.bench_split_load [--quick]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks._common import MIB, Result, Target, main
+from benchmarks.bench_dram import VOCAB, make_kv
+from benchmarks.bench_remote import (
+    BUCKET,
+    CHUNK_BYTES,
+    CHUNK_TOKENS,
+    IN_FLIGHT,
+    REMOTE_LAYOUT,
+    _raw_fs,
+    _storage_options,
+    moto_server,
+)
+from kvtiers import TieredCache
+
+
+def _drop_page_cache(folder: Path) -> None:
+    os.sync()
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+async def _bench(num_chunks: int, repeats: int) -> list[Result]:
+    num_tokens = num_chunks * CHUNK_TOKENS
+    half = num_chunks - num_chunks // 8  # the lmdb head
+    tokens = np.random.default_rng(1).integers(0, VOCAB, num_tokens, dtype=np.int64)
+    kv = make_kv(num_tokens)
+    root = Path(tempfile.mkdtemp(prefix="kvtiers-bench-split-", dir=os.getcwd()))
+    with moto_server() as endpoint:
+        raw = await _raw_fs(endpoint)
+        await raw._call_s3("create_bucket", Bucket=BUCKET)
+        await raw._s3.close()
+        remote = {
+            "kind": "remote",
+            "url": f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}",
+            "capacity": 2 * num_chunks * CHUNK_BYTES,
+            "storage_options": _storage_options(endpoint),
+            "max_in_flight": IN_FLIGHT,
+        }
+        lmdb = {"kind": "lmdb", "path": str(root / "lmdb"), "capacity": 2 * half * CHUNK_BYTES}
+        dram = {"kind": "dram", "capacity": (num_chunks + 1) * CHUNK_BYTES}
+        pool_only = {"layout": REMOTE_LAYOUT, "tiers": [remote]}
+        node = {"layout": REMOTE_LAYOUT, "tiers": [dram, lmdb, remote]}
+        try:
+            async with TieredCache.from_config(pool_only) as cache:
+                assert await cache.store(tokens, kv) == num_tokens
+            async with TieredCache.from_config(node) as cache:
+                await cache.store(tokens[: half * CHUNK_TOKENS], kv[:, :, : half * CHUNK_TOKENS])
+                await cache.flush()
+            dsts = list(np.empty((num_chunks, CHUNK_BYTES), dtype=np.uint8))
+
+            def timed(lo: int, hi: int) -> Callable[[], Awaitable[float]]:
+                async def one() -> float:
+                    _drop_page_cache(root)
+                    async with TieredCache.from_config(node) as cache:
+                        keys = cache.keys(tokens)
+                        assert await cache.lookup_keys(keys) == num_chunks
+                        start = time.perf_counter()
+                        found = await cache.get_chunks(keys[lo:hi], dsts[lo:hi])
+                        seconds = time.perf_counter() - start
+                        tiers = {t.name: t.hits for t in cache.stats().tiers}
+                    assert all(found), "a chunk was missing"  # (each one verified by its tier)
+                    assert tiers["lmdb"] == max(0, min(hi, half) - lo), tiers
+                    return seconds
+
+                return one
+
+            fns = [timed(0, num_chunks), timed(0, half), timed(half, num_chunks)]
+            samples: list[list[float]] = [[] for _ in fns]
+            for fn in fns:
+                await fn()  # warm-up: connections, imports
+            for _ in range(repeats):
+                for fn, acc in zip(fns, samples, strict=True):
+                    acc.append(await fn())
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    t_split, t_lmdb, t_remote = (statistics.median(acc) for acc in samples)
+    what = f"{num_chunks} chunks of {CHUNK_BYTES // MIB} MiB, {half} in lmdb (cold), "
+    what += f"{num_chunks - half} in S3"
+    times = f"split {t_split * 1e3:.0f} ms, lmdb part {t_lmdb * 1e3:.0f} ms, "
+    times += f"remote part {t_remote * 1e3:.0f} ms"
+    return [
+        Result.of_times(
+            "load split lmdb + remote vs the parts one after the other",
+            t_split,
+            t_lmdb + t_remote,
+            notes=f"{what}; {times}",
+        ),
+        Result.of_times(
+            "load split lmdb + remote vs the slower part alone",
+            t_split,
+            max(t_lmdb, t_remote),
+            target=Target("ratio", ">=", 0.8),
+            notes="the best an overlap can do: the split load waits for the slower tier only",
+        ),
+    ]
+
+
+def run(quick: bool) -> list[Result]:
+    """Time a load of 64 chunks (32 with `quick`) split between lmdb and a loopback S3."""
+    if quick:
+        return asyncio.run(_bench(32, 3))
+    return asyncio.run(_bench(64, 5))
+
+
+if __name__ == "__main__":
+    main(run, __doc__.splitlines()[0])
