@@ -58,6 +58,13 @@ class Source(ABC):
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         """Copy chunk `idxs[j]` into `views[j]`; done with the views on return."""
 
+    def direct(self, idx: int) -> Buffer | None:
+        """Return chunk `idx`'s payload as contiguous host bytes a tier may read in place.
+
+        `None` (the default) when the chunk must be copied out with `fill` first.
+        """
+        return None
+
 
 class TensorSink(Sink):
     """Deliver into a KV tensor `(num_layers, planes, tokens, ...)` on any device."""
@@ -150,6 +157,13 @@ class ChunkSource(Source):
         self._layout = layout
         self._srcs = srcs
         self._bytes = [_chunk_bytes(src) for src in srcs]
+
+    def direct(self, idx: int) -> Buffer | None:
+        # docstring inherited
+        src = self._bytes[idx]
+        if src is None or not src.flags.c_contiguous:
+            return None
+        return src.reshape(-1)
 
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited

@@ -167,3 +167,39 @@ async def test_numpy_byte_views_are_chunks_too(layout):
         )
         with pytest.raises(LayoutMismatch):
             await cache.get_chunks(keys, [dsts[0].reshape(-1)[:10], dsts[1]])
+
+
+async def test_contiguous_byte_chunks_reach_a_lower_tier_without_a_staging_copy(tmp_path, layout):
+    import numpy as np
+
+    cfg = make_config(tmp_path, lmdb_chunks=16)
+    cfg["tiers"] = cfg["tiers"][1:]  # lmdb alone: every put goes below a memory tier
+    kv = make_kv(layout, 4 * layout.chunk_size)
+    size = layout.chunk_size
+    srcs = [kv.narrow(2, i * size, size).contiguous().view(torch.uint8).numpy() for i in range(4)]
+    wide = np.zeros((2, 2 * srcs[0].nbytes), np.uint8)
+    wide[:, ::2] = np.stack([src.reshape(-1) for src in srcs[:2]])
+    async with TieredCache.from_config(cfg) as cache:
+        bufs_seen: list[np.ndarray] = []
+        put = cache.tiers[0].put
+
+        async def spy(keys, bufs):
+            bufs_seen.extend(bufs)
+            return await put(keys, bufs)
+
+        cache.tiers[0].put = spy
+        keys = cache.chunk_keys(HASHES[:4])
+        assert await cache.put_chunks(keys, srcs) == [True] * 4
+        # the tier read the caller's bytes in place
+        assert [np.shares_memory(b, s) for b, s in zip(bufs_seen, srcs, strict=True)] == [True] * 4
+        dsts = [np.zeros(srcs[0].nbytes, np.uint8) for _ in range(4)]
+        assert await cache.get_chunks(keys, dsts) == [True] * 4
+        assert all(
+            np.array_equal(dst, src.reshape(-1)) for dst, src in zip(dsts, srcs, strict=True)
+        )
+        bufs_seen.clear()
+        strided = list(wide[:, ::2])  # not contiguous: copied into a stage buffer first
+        assert await cache.put_chunks(cache.chunk_keys(HASHES[4:6]), strided) == [True] * 2
+        assert not any(np.shares_memory(b, wide) for b in bufs_seen) and len(bufs_seen) == 2
+        assert await cache.get_chunks(cache.chunk_keys(HASHES[4:6]), dsts[:2]) == [True] * 2
+        assert np.array_equal(dsts[0], srcs[0].reshape(-1))
