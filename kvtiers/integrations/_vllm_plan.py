@@ -17,6 +17,7 @@ from kvtiers.core.errors import ConfigError
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "BlockOrigin",
     "ConnectorSettings",
     "LoadSpec",
     "SaveSpec",
@@ -61,6 +62,8 @@ class ConnectorSettings:
     """Folder of the lookup channel's Unix sockets; the system's temp folder by default."""
     on_load_error: Literal["recompute", "fail"] = "recompute"
     """What vLLM does when a load fails: recompute (kvtiers' default) or fail the request."""
+    event_chunks: int = 8192
+    """With KV events on: chunks whose vLLM block hashes and tokens a worker remembers."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -99,12 +102,10 @@ class ConnectorSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigError(f"{_WHERE}.{name}: expected a non-negative number")
-        if (
-            isinstance(self.max_pending_saves, bool)
-            or not isinstance(self.max_pending_saves, int)
-            or self.max_pending_saves < 1
-        ):
-            raise ConfigError(f"{_WHERE}.max_pending_saves: expected a positive integer")
+        for name in ("max_pending_saves", "event_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{_WHERE}.{name}: expected a positive integer")
         if self.socket_dir is not None and not isinstance(self.socket_dir, str):
             raise ConfigError(f"{_WHERE}.socket_dir: expected a folder path")
         if self.on_load_error not in ("recompute", "fail"):
@@ -146,6 +147,16 @@ def tokens_of(raw: bytes) -> npt.NDArray[np.int64]:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockOrigin:
+    """vLLM's names of a request's blocks (sent when KV events are on)."""
+
+    block_hashes: tuple[bytes, ...]
+    """vLLM's hash of each full block from the request's first token on, in order."""
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Load the KV of tokens `[start, end)` of a request into its blocks."""
 
@@ -159,6 +170,8 @@ class LoadSpec:
     """First token to load; a multiple of the block size."""
     end: int
     """One past the last token to load; a multiple of the block size."""
+    origin: BlockOrigin | None = None
+    """vLLM's names of the blocks of `tokens` (KV events on), else `None`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +186,8 @@ class SaveSpec:
     """The blocks of every token, in order."""
     finished: bool = False
     """The request has finished and its blocks wait for this save (reported via get_finished)."""
+    origin: BlockOrigin | None = None
+    """vLLM's names of the blocks of `tokens` (KV events on), else `None`."""
 
 
 @dataclass(slots=True)

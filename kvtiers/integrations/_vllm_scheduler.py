@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtiers.integrations._vllm_events import block_origin
 from kvtiers.integrations._vllm_plan import (
+    BlockOrigin,
     ConnectorSettings,
     LoadSpec,
     SaveSpec,
@@ -76,6 +78,8 @@ class SchedulerSide:
         chunk_size: kvtiers' chunk size, a multiple of `block_size`.
         lookup: starts a lookup; resolved on first use (it may need the workers up).
         clock: monotonic seconds (injected for tests).
+        kv_events: send vLLM's block hashes with each load and save, for the workers'
+            KV events.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class SchedulerSide:
         chunk_size: int,
         lookup: Callable[[], Lookup],
         clock: Callable[[], float] = time.monotonic,
+        kv_events: bool = False,
     ) -> None:
         self._settings = settings
         self._block = block_size
@@ -92,6 +97,7 @@ class SchedulerSide:
         self._make_lookup = lookup
         self._lookup: Lookup | None = None
         self._clock = clock
+        self._kv_events = kv_events
         self._reqs: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._lock = threading.Lock()
@@ -203,6 +209,7 @@ class SchedulerSide:
             block_ids=tuple(block_ids[start // self._block : end_block]),
             start=start,
             end=end_block * self._block,
+            origin=self._origin(request, answer),
         )
         self._plan.loads.append(spec)
         self._count("planned_load_tokens", spec.end - spec.start)
@@ -242,6 +249,7 @@ class SchedulerSide:
                     tokens=tokens_to_bytes(request.all_token_ids[:target]),
                     salt=tracked.salt,
                     block_ids=tuple(block_ids[: target // self._block]),
+                    origin=self._origin(request, target),
                 )
             )
             tracked.cached = target
@@ -271,10 +279,14 @@ class SchedulerSide:
                 salt=tracked.salt,
                 block_ids=tuple(block_ids[: target // self._block]),
                 finished=True,
+                origin=self._origin(request, target),
             )
         )
         self._count("planned_save_tokens", target)
         return True
+
+    def _origin(self, request: Any, num_tokens: int) -> BlockOrigin | None:
+        return block_origin(request, num_tokens, self._block) if self._kv_events else None
 
     # -- stats -------------------------------------------------------------------------
 

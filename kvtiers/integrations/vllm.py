@@ -17,17 +17,16 @@ from __future__ import annotations
 import logging
 import tempfile
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -36,7 +35,14 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
+from kvtiers.integrations._vllm_events import EventQuorum, WorkerEvents, kv_events_on
 from kvtiers.integrations._vllm_kv import detect_layout
+from kvtiers.integrations._vllm_messages import (
+    KVTiersConnectorMetadata,
+    KVTiersConnectorStats,
+    KVTiersKVEvents,
+    to_vllm_event,
+)
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
     StepPlan,
@@ -51,37 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["KVTiersConnector", "KVTiersConnectorMetadata", "KVTiersConnectorStats"]
 
 logger = logging.getLogger("kvtiers.vllm")
-
-
-@dataclass
-class KVTiersConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's plan, sent from the scheduler-side connector to every worker."""
-
-    plan: StepPlan
-
-
-class KVTiersConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """kvtiers' counters for one interval: sums over workers and the scheduler.
-
-    Keys: `lookups`, `lookup_hit_tokens`, `loaded_tokens`, `loaded_bytes`,
-    `load_wait_seconds`, `load_errors`, `load_failed_tokens`, `saved_tokens`,
-    `saved_bytes`, `save_errors`, `saves_skipped`, `hits_<tier>` (chunks per tier), ...
-    """
-
-    def reset(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVTiersConnectorStats:
-        merged = dict(self.data)
-        for key, value in (other.data or {}).items():
-            merged[key] = merged.get(key, 0) + value
-        return KVTiersConnectorStats(data=merged)
-
-    def reduce(self) -> dict[str, int | float]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in sorted(self.data.items())}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
 
 
 class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -111,11 +86,20 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._socket_dir = self._settings.socket_dir or tempfile.gettempdir()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events: WorkerEvents | None = None
+        self._quorum: EventQuorum[KVCacheEvent] | None = None
         self._parts: dict[str, Any] = {}
         if role == KVConnectorRole.SCHEDULER:
+            kv_events = kv_events_on(vllm_config, self._settings)
             self._scheduler = SchedulerSide(
-                self._settings, self._block_size, self._chunk_size, self._make_lookup
+                self._settings,
+                self._block_size,
+                self._chunk_size,
+                self._make_lookup,
+                kv_events=kv_events,
             )
+            if kv_events:
+                self._quorum = EventQuorum(self._tp_size, self._settings.event_chunks)
             if self._settings.on_load_error == "recompute":
                 # NOTE: vLLM reads this right after building the scheduler-side connector;
                 # kvtiers is a cache, so a failed load is recomputed, never an error.
@@ -195,6 +179,14 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> tuple[bool, None]:
         return self.request_finished(request, block_ids[0])
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        events = getattr(connector_output, "kv_cache_events", None)
+        if self._quorum is not None and isinstance(events, KVTiersKVEvents):
+            self._quorum.add(events.get_all_events())  # the workers' KV events of a step
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._quorum.take() if self._quorum is not None else []
+
     # ==== worker side ================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -249,6 +241,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             layout.chunk_size,
             path,
         )
+        if entry.cache.config.events > 0 and kv_events_on(config, self._settings):
+            self._events = WorkerEvents(
+                entry, self._settings.event_chunks, self._block_size, self._chunk_size
+            )
         worker = WorkerSide(self._settings, entry, kv_caches, paged, layout)
         self._parts["worker"] = worker
         return worker
@@ -270,6 +266,8 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         plan = self._plan()
+        if self._events is not None and plan is not None:
+            self._events.record(plan)
         if self._worker is not None and plan is not None and plan.saves:
             # NOTE: staging is prepared here, before the forward pass, because vLLM calls
             # start_load_kv after the forward pass when the step has no synchronous load.
@@ -303,6 +301,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             failed |= self._worker.take_failed_blocks()
         return failed
 
+    def get_kv_connector_kv_cache_events(self) -> KVTiersKVEvents | None:
+        events = [to_vllm_event(e) for e in self._events.take()] if self._events is not None else []
+        return KVTiersKVEvents(events) if events else None
+
     # ==== both sides =================================================================
 
     def get_kv_connector_stats(self) -> KVTiersConnectorStats | None:
@@ -311,6 +313,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             counts.update(self._scheduler.take_counts())
         if self._worker is not None:
             counts.update(self._worker.take_counts())
+        if self._events is not None:
+            counts.update(self._events.take_counts())
+        if self._quorum is not None:
+            counts.update(self._quorum.take_counts())
         return KVTiersConnectorStats(data=counts) if counts else None
 
     @classmethod

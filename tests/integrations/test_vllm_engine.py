@@ -118,3 +118,56 @@ def test_default_multiprocess_mode_reports_worker_saved_hits(
 def test_importing_kvtiers_never_imports_vllm(inprocess):
     result, _ = inprocess  # checked first thing in the scenario process, where vLLM is installed
     assert result["vllm_modules_after_import_kvtiers"] == []
+
+
+@pytest.fixture(scope="module")
+def events(vllm_python, tiny_llama, tmp_path_factory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("vllm-events")
+    return result_of(start(vllm_python, tiny_llama, work, "events"))
+
+
+def block_tokens(gpu_events: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Return the tokens of each block vLLM itself announced, by block hash."""
+    out = {}
+    for e in gpu_events:
+        size = e["block_size"]
+        for i, h in enumerate(e["hashes"]):
+            out[h] = e["tokens"][i * size : (i + 1) * size]
+    return out
+
+
+def test_stored_chunks_reach_vllm_event_stream_named_like_vllm_blocks(events):
+    block, chunk = events["block_size"], 64
+    stored = [e for e in events["kvtiers"] if e["type"] == "BlockStored"]
+    vllm_blocks = block_tokens([e for e in events["gpu"] if e["type"] == "BlockStored"])
+    for prefix in events["prefixes"]:
+        parent = None
+        for i in range(len(prefix) // chunk):
+            tokens = prefix[i * chunk : (i + 1) * chunk]
+            (event,) = [e for e in stored if e["tokens"] == tokens]
+            assert event["block_size"] == block and len(event["hashes"]) == chunk // block
+            assert event["parent"] == parent
+            assert (event["medium"], event["locality"]) == (events["medium_cpu"], "LOCAL")
+            for j, h in enumerate(event["hashes"]):  # the hashes vLLM gives its own blocks
+                assert vllm_blocks[h] == tokens[j * block : (j + 1) * block]
+            parent = event["hashes"][-1]
+    assert events["stats"]["kv_events"] >= len(stored)
+    assert "kv_events_unnamed" not in events["stats"]
+
+
+def test_an_eviction_reaches_vllm_event_stream_as_block_removed(events):
+    first = events["prefixes"][0]
+    chunks = [first[i : i + 64] for i in range(0, len(first), 64)]
+    stored = [e for e in events["kvtiers"] if e["type"] == "BlockStored"]
+    first_hashes = {h for e in stored if e["tokens"] in chunks for h in e["hashes"]}
+    assert len(first_hashes) == len(first) // events["block_size"]
+    removed = [e for e in events["kvtiers"] if e["type"] == "BlockRemoved"]
+    # The DRAM tier holds four chunks: storing the second prompt set evicted the first.
+    assert {h for e in removed for h in e["hashes"]} == first_hashes
+    assert all((e["medium"], e["locality"]) == (events["medium_cpu"], "LOCAL") for e in removed)
+
+
+def test_two_ranks_events_pass_once_both_reported(events):
+    (step_1,), (step_2,) = events["two_ranks"]
+    a, b = events["kvtiers"][:2]
+    assert (step_1, step_2) == (a, b)

@@ -8,7 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 from kvtiers import ConfigError
-from kvtiers.integrations._vllm_plan import ConnectorSettings, chunk_size_for, tokens_of
+from kvtiers.integrations._vllm_plan import (
+    BlockOrigin,
+    ConnectorSettings,
+    chunk_size_for,
+    tokens_of,
+)
 from kvtiers.integrations._vllm_scheduler import SchedulerSide, salt_of
 
 BLOCK, CHUNK = 16, 64
@@ -189,6 +194,8 @@ def test_settings_are_validated_by_name():
         ConnectorSettings.from_extra({"lookup_wait_ms": -1})
     with pytest.raises(ConfigError, match="on_load_error"):
         ConnectorSettings.from_extra({"on_load_error": "ignore"})
+    with pytest.raises(ConfigError, match="event_chunks: expected a positive integer"):
+        ConnectorSettings.from_extra({"event_chunks": 0})
     assert ConnectorSettings.from_extra(None).tiers_source()["tiers"][0]["kind"] == "dram"
 
 
@@ -200,3 +207,22 @@ def test_chunk_size_follows_the_block_size():
     assert chunk_size_for(32, 64) == 64
     with pytest.raises(ConfigError, match="multiple of vLLM's block size 32"):
         chunk_size_for(32, 80)
+
+
+def test_loads_and_saves_carry_vllm_block_hashes_only_with_kv_events():
+    hashes = [bytes([i]) * 32 for i in range(18)]  # the full blocks of 300 tokens
+    lora = SimpleNamespace(lora_name="sql", adapter_id=4, name="sql")
+    settings = ConnectorSettings(lookup_wait_ms=0, store_generated=True)
+    s = SchedulerSide(settings, BLOCK, CHUNK, lambda: FakeLookup(hit=128), kv_events=True)
+    loaded = request(block_hashes=hashes, lora_request=lora)
+    s.get_num_new_matched_tokens(loaded, 0)
+    s.update_state_after_alloc(loaded, list(range(19)), 128)
+    saved = request("r2", block_hashes=hashes)
+    s.on_new_request(saved)
+    plan = s.build_plan({"r2": 300}, lambda _: list(range(19)))
+    assert plan.loads[0].origin == BlockOrigin(tuple(hashes[:8]), 4, "sql")
+    assert plan.saves[0].origin == BlockOrigin(tuple(hashes[:16]))
+    plain = side(FakeLookup(hit=128))
+    plain.get_num_new_matched_tokens(loaded, 0)
+    plain.update_state_after_alloc(loaded, list(range(19)), 128)
+    assert plain.build_plan({}, lambda _: None).loads[0].origin is None

@@ -13,6 +13,9 @@ Scenarios:
   hits on what `inprocess` stored, then on what the concurrently running writer stores.
 - `multiprocess`: vLLM's default mode (scheduler and worker in separate processes), with
   only a DRAM tier, so every hit the scheduler reports went through the lookup channel.
+- `events`: vLLM's KV events on (published over ZMQ, received here as a router would) and
+  kvtiers' `events` on, with a DRAM tier of four chunks: a prompt set is stored, a second
+  one evicts it. Also feeds two ranks' events through vLLM's output aggregator.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import asyncio
 import gc
 import json
 import os
+import pickle
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,8 +67,20 @@ def transfer_config(config: dict[str, Any]) -> dict[str, Any]:
 class Engine:
     """One vLLM engine, with or without the kvtiers connector."""
 
-    def __init__(self, model: str, config: dict[str, Any] | None, *, prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        model: str,
+        config: dict[str, Any] | None,
+        *,
+        prefix_caching: bool,
+        kv_events_endpoint: str | None = None,
+    ) -> None:
         from vllm import LLM, SamplingParams
+        from vllm.config import KVEventsConfig
+
+        events = None
+        if kv_events_endpoint is not None:
+            events = KVEventsConfig(enable_kv_cache_events=True, endpoint=kv_events_endpoint)
 
         started = time.perf_counter()
         self.llm = LLM(
@@ -74,6 +91,7 @@ class Engine:
             max_model_len=1024,
             enable_prefix_caching=prefix_caching,
             kv_transfer_config=transfer_config(config) if config is not None else None,
+            kv_events_config=events,
             seed=0,
         )
         self.start_seconds = time.perf_counter() - started
@@ -221,10 +239,119 @@ def scenario_multiprocess(model: str, work: Path) -> dict[str, Any]:
     return {"first": first, "all": rest, "start_seconds": engine.start_seconds}
 
 
+class EventSubscriber:
+    """Receive the KV event batches vLLM publishes (ZMQ SUB), as a router does."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._endpoint = endpoint
+        self._lock = threading.Lock()
+        self._events: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.connect(self._endpoint)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        while not self._stop.is_set():
+            if sock.poll(100):
+                _topic, _seq, payload = sock.recv_multipart()
+                with self._lock:
+                    self._events.extend(decoder.decode(payload).events)
+        sock.close(linger=0)
+
+    def events(self) -> list[Any]:
+        with self._lock:
+            return list(self._events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _event_json(event: Any) -> dict[str, Any]:
+    out = {"type": type(event).__name__, "medium": event.medium}
+    out["ownership"], out["locality"] = event.ownership, event.locality
+    out["hashes"] = [h.hex() if isinstance(h, bytes) else h for h in event.block_hashes]
+    if type(event).__name__ == "BlockStored":
+        parent = event.parent_block_hash
+        out["parent"] = parent.hex() if isinstance(parent, bytes) else parent
+        out["tokens"], out["block_size"] = list(event.token_ids), event.block_size
+    return out
+
+
+def _two_ranks(connector: Any, events: list[Any]) -> list[list[dict[str, Any]]]:
+    """Feed two ranks' events through vLLM's output aggregator into the scheduler side.
+
+    Rank 0 reports events a and b in one step, rank 1 only a, then b one step later (its
+    store finished later); each step's outputs travel pickled, as between processes.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvtiers.integrations._vllm_events import EventQuorum
+    from kvtiers.integrations._vllm_messages import KVTiersKVEvents
+
+    def output(evs: list[Any]) -> Any:
+        out = KVConnectorOutput(kv_cache_events=KVTiersKVEvents(evs) if evs else None)
+        return pickle.loads(pickle.dumps(ModelRunnerOutput.with_kv_conn_output_only(out)))
+
+    a, b = events[:2]
+    aggregator = KVOutputAggregator(expected_finished_count=2)
+    connector._quorum = EventQuorum(num_ranks=2, max_pending=16)
+    published = []
+    for outputs in ([output([a, b]), output([a])], [output([]), output([b])]):
+        merged = aggregator.aggregate(outputs)
+        connector.update_connector_output(merged.kv_connector_output)
+        published.append([_event_json(e) for e in connector.take_events()])
+    return published
+
+
+def scenario_events(model: str, work: Path) -> dict[str, Any]:
+    from vllm.distributed.kv_events import MEDIUM_CPU
+
+    endpoint = f"ipc://{work}/kv-events"
+    # NOTE: four chunks of 64 KiB (2 layers x K,V x 64 tokens x 2 heads x 64 x bf16).
+    config = {"tiers": [{"kind": "dram", "capacity": "256KiB"}], "events": 1024}
+    engine = Engine(model, config, prefix_caching=True, kv_events_endpoint=endpoint)
+    subscriber = EventSubscriber(endpoint)
+    first, second = make_prompts(seed=0), make_prompts(seed=1)
+    engine.generate(first)
+    engine.generate(second)  # four new chunks: the first set's leave the DRAM tier
+    removed: list[Any] = []
+    for _ in range(10):  # steps carry the events of stores that finished in between
+        engine.generate([first[0][:20]])  # shorter than a chunk: nothing stored
+        removed = [e for e in subscriber.events() if type(e).__name__ == "BlockRemoved"]
+        if sum(len(e.block_hashes) for e in removed if e.ownership) >= PREFIX_TOKENS // BLOCK:
+            break
+    subscriber.close()
+    events = subscriber.events()
+    ours = [e for e in events if e.ownership == "kvtiers:dram"]
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    result = {
+        "prefixes": [first[0][:PREFIX_TOKENS], second[0][:PREFIX_TOKENS]],
+        "block_size": BLOCK,
+        "medium_cpu": MEDIUM_CPU,
+        "kvtiers": [_event_json(e) for e in ours],
+        "gpu": [_event_json(e) for e in events if e.medium == "GPU"],
+        "stats": engine.reported,
+        "two_ranks": _two_ranks(scheduler.connector, ours),
+    }
+    engine.close()
+    return result
+
+
 def _vllm_modules_after_importing_kvtiers() -> list[str]:
     """Import kvtiers and the adapter's vLLM-free parts; return the vLLM modules loaded."""
     import kvtiers  # noqa: F401
     import kvtiers.integrations._vllm_channel  # noqa: F401
+    import kvtiers.integrations._vllm_events  # noqa: F401
     import kvtiers.integrations._vllm_scheduler  # noqa: F401
     import kvtiers.integrations._vllm_worker  # noqa: F401
 
@@ -233,7 +360,7 @@ def _vllm_modules_after_importing_kvtiers() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["inprocess", "shared", "multiprocess"])
+    parser.add_argument("scenario", choices=["inprocess", "shared", "multiprocess", "events"])
     parser.add_argument("--model", required=True)
     parser.add_argument("--work", required=True, type=Path)
     parser.add_argument("--role", choices=["writer", "reader"], default="reader")
@@ -249,6 +376,8 @@ def main() -> None:
         result["vllm_modules_after_import_kvtiers"] = vllm_by_kvtiers
     elif args.scenario == "shared":
         result = scenario_shared(args.model, args.work, args.role)
+    elif args.scenario == "events":
+        result = scenario_events(args.model, args.work)
     else:
         result = scenario_multiprocess(args.model, args.work)
     result["seconds"] = time.perf_counter() - started
