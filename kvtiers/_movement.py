@@ -343,8 +343,8 @@ class Mover(WriteQueues):
         rows = self._stages.rows
         for lo in range(0, len(idxs), rows):
             part = idxs[lo : lo + rows]
-            direct = [source.direct(i) for i in part]
-            if all(buf is not None for buf in direct):
+            direct = [source.direct(i) for i in part] if self._direct_puts else []
+            if direct and all(buf is not None for buf in direct):
                 # The caller's contiguous host bytes: the tiers read them in place.
                 await self._place_below(keys, part, direct, start)
                 continue

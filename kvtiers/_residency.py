@@ -45,6 +45,8 @@ _T = TypeVar("_T")
 View = Buffer | torch.Tensor
 """A block view: host bytes (DRAM) or a device tensor (HBM)."""
 _MAX_STAGE_ROWS = 32  # chunks in one stage buffer at most
+DIRECT_PUT_BYTES = 4 * 2**20
+"""Chunks this big or bigger are put from the caller's contiguous bytes, unstaged."""
 _RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
 
 
@@ -97,6 +99,11 @@ class Residency:
         self._pending: Counter[ChunkKey] = Counter()
         self._evicting: set[ChunkKey] = set()
         self._stages = StagePool(layout.chunk_bytes)
+        # NOTE: big chunks that the caller holds as contiguous host bytes go to the tiers
+        # below without a stage copy. Measured on a 2-vCPU VM (puts into lmdb): 8 and 32 MiB
+        # chunks stored 10-35% faster that way, 256 KiB chunks 30% slower (a batch of small
+        # chunks staged into one reused buffer packs faster than from scattered memory).
+        self._direct_puts = layout.chunk_bytes >= DIRECT_PUT_BYTES
 
     def _corrupt_count(self) -> int:
         return sum(slot.tier.counters.corrupt for slot in self._slots)

@@ -169,8 +169,14 @@ async def test_numpy_byte_views_are_chunks_too(layout):
             await cache.get_chunks(keys, [dsts[0].reshape(-1)[:10], dsts[1]])
 
 
-async def test_contiguous_byte_chunks_reach_a_lower_tier_without_a_staging_copy(tmp_path, layout):
+async def test_contiguous_byte_chunks_reach_a_lower_tier_without_a_staging_copy(
+    tmp_path, layout, monkeypatch
+):
     import numpy as np
+
+    from kvtiers import _residency
+
+    monkeypatch.setattr(_residency, "DIRECT_PUT_BYTES", layout.chunk_bytes)  # big chunks only
 
     cfg = make_config(tmp_path, lmdb_chunks=16)
     cfg["tiers"] = cfg["tiers"][1:]  # lmdb alone: every put goes below a memory tier
