@@ -1,0 +1,192 @@
+"""Cold loads from LMDB and from a `file://` remote tier with 1, 4 and 16 reads in flight.
+
+Each tier is the cache's only tier, so `TieredCache.load` reads every chunk through it.
+The baseline is the disk's own parallel read rate, measured in the same run: the same
+payloads back to back in one flat file on the same disk, read with `os.preadv` by as many
+threads as the tier keeps reads in flight (LMDB `read_threads`, remote `max_in_flight`),
+each thread its share of the chunks, through the page cache and with `O_DIRECT` (no page
+cache: the device's rate). Before every timed read the page cache is dropped
+(`/proc/sys/vm/drop_caches` where writable, else `posix_fadvise`; `mincore` checks it).
+
+Chunks are 8 MiB (bench_dram's layout, 64 tokens); 512 MiB in all (128 MiB with
+`--quick`). Target: the tier at >= 0.8 of the flat file read the same way (buffered).
+Run alone: `python -m benchmarks.bench_cold [--quick]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks._common import MIB, Result, Target, main
+from benchmarks.bench_dram import VOCAB, make_kv
+from benchmarks.bench_lmdb import drop_page_cache, resident_fraction
+from benchmarks.bench_remote import CHUNK_BYTES, CHUNK_TOKENS, REMOTE_LAYOUT
+from kvtiers import TieredCache
+
+IN_FLIGHT = (1, 4, 16)
+
+
+class _Flat:
+    """The chunks back to back in one file, read by `threads` threads, buffered or direct."""
+
+    def __init__(self, path: Path, num_chunks: int, threads: int, direct: bool) -> None:
+        self.path, self.num_chunks, self.threads, self.direct = path, num_chunks, threads, direct
+        # NOTE: anonymous memory is page-aligned, as O_DIRECT needs; touched: no faults.
+        self._map = mmap.mmap(-1, num_chunks * CHUNK_BYTES)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8).reshape(num_chunks, CHUNK_BYTES)
+        self.buf.fill(1)
+        self.pool = ThreadPoolExecutor(threads, "flat")
+
+    def read_all(self) -> None:
+        flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(self.path, flags)
+        try:
+            step = -(-self.num_chunks // self.threads)
+            parts = [
+                (lo, min(lo + step, self.num_chunks)) for lo in range(0, self.num_chunks, step)
+            ]
+            for _ in self.pool.map(lambda p: self._read(fd, *p), parts):
+                pass
+        finally:
+            os.close(fd)
+
+    def _read(self, fd: int, lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            view = memoryview(self.buf[i])
+            done = 0
+            while done < CHUNK_BYTES:
+                n = os.preadv(fd, [view[done:]], i * CHUNK_BYTES + done)
+                if n <= 0:
+                    raise OSError(f"short read of chunk {i} in {self.path}")
+                done += n
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        del self.buf
+        self._map.close()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+async def _median_cold(
+    fn: Callable[[], Awaitable[float]], files: list[Path], repeats: int
+) -> tuple[float, float]:
+    """Return the median seconds of `fn` after dropping `files`, and the most left resident."""
+    times, left = [], []
+    for _ in range(repeats):
+        drop_page_cache(files)
+        left.append(resident_fraction(files))
+        times.append(await fn())
+    return statistics.median(times), max(left)
+
+
+async def _bench(total: int, repeats: int) -> list[Result]:
+    num_chunks = total // CHUNK_BYTES
+    num_tokens = num_chunks * CHUNK_TOKENS
+    tokens = np.random.default_rng(2).integers(0, VOCAB, num_tokens, dtype=np.int64)
+    kv = make_kv(num_tokens)
+    dst = torch.ones_like(kv)
+    root = Path(tempfile.mkdtemp(prefix="kvtiers-bench-cold-", dir=os.getcwd()))
+    flat_path = root / "flat.bin"
+    tiers: dict[str, Callable[[int], dict[str, Any]]] = {
+        "lmdb": lambda n: {
+            "kind": "lmdb",
+            "path": str(root / "lmdb"),
+            "capacity": 2 * total,
+            "read_threads": n,
+        },
+        "remote file://": lambda n: {
+            "kind": "remote",
+            "url": f"file://{root}/pool",
+            "capacity": 2 * total,
+            "max_in_flight": n,
+        },
+    }
+    results: list[Result] = []
+    try:
+        with open(flat_path, "wb") as f:
+            for i in range(num_chunks):  # the same bytes a chunk's payload holds
+                chunk = kv[:, :, i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS].contiguous()
+                f.write(chunk.view(-1).view(torch.uint8).numpy().tobytes())
+        flat_rates: dict[tuple[int, bool], float] = {}
+        for n in IN_FLIGHT:
+            for direct in (False, True):
+                flat = _Flat(flat_path, num_chunks, n, direct)
+
+                async def read(flat: _Flat = flat) -> float:
+                    start = time.perf_counter()
+                    flat.read_all()
+                    return time.perf_counter() - start
+
+                try:
+                    seconds, _ = await _median_cold(read, [flat_path], repeats)
+                finally:
+                    flat.close()
+                flat_rates[(n, direct)] = total / seconds
+        for name, tier in tiers.items():
+            async with TieredCache.from_config(
+                {"layout": REMOTE_LAYOUT, "tiers": [tier(4)]}
+            ) as cache:
+                assert await cache.store(tokens, kv) == num_tokens
+            files = _files(root / ("lmdb" if name == "lmdb" else "pool"))
+            for n in IN_FLIGHT:
+                cfg = {"layout": REMOTE_LAYOUT, "tiers": [tier(n)]}
+
+                async def load(cfg: dict[str, Any] = cfg) -> float:
+                    async with TieredCache.from_config(cfg) as cache:
+                        start = time.perf_counter()
+                        out = await cache.load(tokens, out=dst)
+                        seconds = time.perf_counter() - start
+                    assert out.shape[2] == num_tokens, "a chunk was missing"
+                    return seconds
+
+                seconds, left = await _median_cold(load, files, repeats)
+                rate, buffered, direct = (
+                    total / seconds,
+                    flat_rates[(n, False)],
+                    flat_rates[(n, True)],
+                )
+                results.append(
+                    Result.of_rates(
+                        f"{name} cold load, {n} in flight vs flat file buffered",
+                        rate / MIB,
+                        buffered / MIB,
+                        unit="MiB/s",
+                        target=Target("ratio", ">=", 0.8),
+                        notes=f"flat file O_DIRECT with {n} threads: {direct / MIB:,.0f} MiB/s "
+                        f"(kvtiers {rate / direct:.2f}x of it); {left:.1%} of pages left "
+                        "resident at most",
+                    )
+                )
+        assert torch.equal(dst.view(torch.uint8), kv.view(torch.uint8)), "wrong bytes loaded"
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(root)
+    return results
+
+
+def run(quick: bool) -> list[Result]:
+    """Cold loads of 512 MiB (128 MiB with `quick`) from LMDB and file:// remote."""
+    if quick:
+        return asyncio.run(_bench(128 * MIB, 2))
+    return asyncio.run(_bench(512 * MIB, 3))
+
+
+if __name__ == "__main__":
+    main(run, __doc__.splitlines()[0])
