@@ -72,6 +72,7 @@ logger = logging.getLogger("kvtiers")
 
 _T = TypeVar("_T")
 _OFFLOAD_BYTES = 256 * 2**10  # chunks from this size are checked and copied off the loop
+_NOT_READ: tuple[Verdict | None, int] = (None, 0)  # the verdict and size of an object not read
 _TEMP_AGE = 3600.0  # seconds after which a scan deletes a temporary file left by a crash
 _LOG_AGE = 86400.0  # seconds after which a scan deletes another process's idle access log
 _LIST_PAGE = 1000  # objects one listing request returns (S3, GCS)
@@ -232,13 +233,15 @@ class RemoteTier(Tier):
             self.counters.misses += len(keys)
             return [False] * len(keys)
         deadline = time.monotonic() + self._store.read_timeout
-        raws, late = await self._stragglers.within(
-            self._store.read_timeout, [self._fetch(key) for key in keys], None
+
+        async def judge(i: int, raw: bytes | None) -> tuple[Verdict | None, int]:
+            return await self._judge(keys[i], raw, dsts[i])
+
+        # Each object is verified and copied as it arrives, while the others are in flight.
+        found, late = await self._stragglers.as_they_come(
+            self._store.read_timeout, [self._fetch(key) for key in keys], judge, _NOT_READ
         )
         self.counters.errors += late
-        found = await gather_all(
-            self._judge(key, raw, dst) for key, raw, dst in zip(keys, raws, dsts, strict=True)
-        )
         hits = [verdict is Verdict.OK for verdict, _ in found]
         await self._after_read(keys, found, deadline)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes

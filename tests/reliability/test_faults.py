@@ -203,6 +203,44 @@ async def test_stragglers_return_defaults_in_time_and_are_drained() -> None:
         await stragglers.within(1.0, [broken(), broken()], -1)
 
 
+async def test_follow_ups_start_as_requests_arrive_and_end_before_the_call_returns() -> None:
+    from kvtiers.tiers._remote_deadline import Stragglers
+
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    async def request(i: int) -> int:
+        if i == 1:
+            await gate.wait()  # the second request waits for the first one's follow-up
+        log.append(f"got {i}")
+        return i
+
+    async def then(i: int, value: int) -> int:
+        log.append(f"follow {i}")
+        gate.set()
+        await asyncio.sleep(0.01)
+        log.append(f"done {i}")
+        return 10 * value
+
+    async def never() -> int:
+        await asyncio.sleep(10)
+        return 2
+
+    stragglers = Stragglers()
+    results, late = await stragglers.as_they_come(0.5, [request(0), request(1), never()], then, -1)
+    assert (results, late) == ([0, 10, -1], 1)
+    assert log.index("follow 0") < log.index("got 1")  # no waiting for the whole batch
+    assert log[-1].startswith("done")  # every follow-up ended before the call returned
+
+    async def failing(i: int, value: int) -> int:
+        raise ValueError("bad object")
+
+    with pytest.raises(ValueError, match="bad object"):
+        await stragglers.as_they_come(1.0, [request(0)], failing, -1)
+    for task in list(stragglers._tasks):
+        task.cancel()
+
+
 async def test_breaker_state_is_reported_while_the_store_fails_and_after() -> None:
     cfg = _config(f"faulty://pool/{uuid.uuid4().hex[:8]}", breaker_failures=2)
     cfg["tiers"][1]["breaker_cooldown"] = 0.2
