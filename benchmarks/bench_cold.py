@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import mmap
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,51 +31,11 @@ import torch
 
 from benchmarks._common import MIB, Result, Target, main
 from benchmarks.bench_dram import VOCAB, make_kv
-from benchmarks.bench_lmdb import drop_page_cache, resident_fraction
+from benchmarks.bench_lmdb import FlatFile, drop_page_cache, resident_fraction
 from benchmarks.bench_remote import CHUNK_BYTES, CHUNK_TOKENS, REMOTE_LAYOUT
 from kvtiers import TieredCache
 
 IN_FLIGHT = (1, 4, 16)
-
-
-class _Flat:
-    """The chunks back to back in one file, read by `threads` threads, buffered or direct."""
-
-    def __init__(self, path: Path, num_chunks: int, threads: int, direct: bool) -> None:
-        self.path, self.num_chunks, self.threads, self.direct = path, num_chunks, threads, direct
-        # NOTE: anonymous memory is page-aligned, as O_DIRECT needs; touched: no faults.
-        self._map = mmap.mmap(-1, num_chunks * CHUNK_BYTES)
-        self.buf = np.frombuffer(self._map, dtype=np.uint8).reshape(num_chunks, CHUNK_BYTES)
-        self.buf.fill(1)
-        self.pool = ThreadPoolExecutor(threads, "flat")
-
-    def read_all(self) -> None:
-        flags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
-        fd = os.open(self.path, flags)
-        try:
-            step = -(-self.num_chunks // self.threads)
-            parts = [
-                (lo, min(lo + step, self.num_chunks)) for lo in range(0, self.num_chunks, step)
-            ]
-            for _ in self.pool.map(lambda p: self._read(fd, *p), parts):
-                pass
-        finally:
-            os.close(fd)
-
-    def _read(self, fd: int, lo: int, hi: int) -> None:
-        for i in range(lo, hi):
-            view = memoryview(self.buf[i])
-            done = 0
-            while done < CHUNK_BYTES:
-                n = os.preadv(fd, [view[done:]], i * CHUNK_BYTES + done)
-                if n <= 0:
-                    raise OSError(f"short read of chunk {i} in {self.path}")
-                done += n
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        del self.buf
-        self._map.close()
 
 
 def _files(folder: Path) -> list[Path]:
@@ -127,9 +85,9 @@ async def _bench(total: int, repeats: int) -> list[Result]:
         flat_rates: dict[tuple[int, bool], float] = {}
         for n in IN_FLIGHT:
             for direct in (False, True):
-                flat = _Flat(flat_path, num_chunks, n, direct)
+                flat = FlatFile(flat_path, num_chunks, n, CHUNK_BYTES, direct)
 
-                async def read(flat: _Flat = flat) -> float:
+                async def read(flat: FlatFile = flat) -> float:
                     start = time.perf_counter()
                     flat.read_all()
                     return time.perf_counter() - start

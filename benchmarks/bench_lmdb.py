@@ -40,18 +40,41 @@ CHUNK_BYTES = BYTES_PER_TOKEN * CHUNK_TOKENS
 
 
 class FlatFile:
-    """The baseline: chunk payloads back to back in one file, read by a thread pool."""
+    """The baseline: chunk payloads back to back in one file, read by a thread pool.
 
-    def __init__(self, path: Path, num_chunks: int, threads: int) -> None:
+    Args:
+        path: the file.
+        num_chunks: chunks it holds.
+        threads: reads in flight.
+        chunk_bytes: bytes of one chunk.
+        direct: read with `O_DIRECT` (past the page cache).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        num_chunks: int,
+        threads: int,
+        chunk_bytes: int = CHUNK_BYTES,
+        direct: bool = False,
+    ) -> None:
         self.path = path
         self.num_chunks = num_chunks
         self.threads = threads
-        self.buf = np.ones((num_chunks, CHUNK_BYTES), dtype=np.uint8)  # touched: no faults
+        self.chunk_bytes = chunk_bytes
+        self.direct = direct
+        self._map: mmap.mmap | None = None
+        if direct:  # O_DIRECT needs page-aligned buffers: anonymous memory is
+            self._map = mmap.mmap(-1, num_chunks * chunk_bytes)
+            self.buf = np.frombuffer(self._map, dtype=np.uint8).reshape(num_chunks, chunk_bytes)
+            self.buf.fill(1)  # touched: no faults
+        else:
+            self.buf = np.ones((num_chunks, chunk_bytes), dtype=np.uint8)
         self.pool = ThreadPoolExecutor(threads, "flat-pread")
 
     def read_all(self) -> None:
         """Read every chunk into `buf`, the chunks split in `threads` contiguous shares."""
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         try:
             step = -(-self.num_chunks // self.threads)
             parts = [
@@ -66,14 +89,17 @@ class FlatFile:
         for i in range(lo, hi):
             view = memoryview(self.buf[i])
             done = 0
-            while done < CHUNK_BYTES:
-                n = os.preadv(fd, [view[done:]], i * CHUNK_BYTES + done)
+            while done < self.chunk_bytes:
+                n = os.preadv(fd, [view[done:]], i * self.chunk_bytes + done)
                 if n <= 0:
                     raise OSError(f"short read of chunk {i} in {self.path}")
                 done += n
 
     def close(self) -> None:
         self.pool.shutdown()
+        del self.buf
+        if self._map is not None:
+            self._map.close()
 
 
 # -- page cache --------------------------------------------------------------------------

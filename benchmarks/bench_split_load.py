@@ -42,6 +42,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from benchmarks._common import MIB, Result, Target, main
 from benchmarks.bench_dram import VOCAB, make_kv
+from benchmarks.bench_lmdb import drop_page_cache
 from benchmarks.bench_remote import (
     BUCKET,
     CHUNK_BYTES,
@@ -74,17 +75,6 @@ class _SlowMemory(MemoryFileSystem):  # type: ignore[misc]
     ) -> Any:
         time.sleep(LATENCY_S)
         return super().cat_file(path, start, end, **kw)
-
-
-def _drop_page_cache(folder: Path) -> None:
-    os.sync()
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 async def _bench_moto(num_chunks: int, repeats: int) -> list[Result]:
@@ -129,7 +119,7 @@ async def _bench(
 
         def timed(lo: int, hi: int) -> Callable[[], Awaitable[float]]:
             async def one() -> float:
-                _drop_page_cache(root)
+                drop_page_cache(sorted(p for p in (root / "lmdb").iterdir() if p.is_file()))
                 async with TieredCache.from_config(node) as cache:
                     keys = cache.keys(tokens)
                     assert await cache.lookup_keys(keys) == num_chunks
