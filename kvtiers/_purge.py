@@ -38,24 +38,38 @@ def purge(
     *,
     fingerprint: str | None = None,
     bad: bool = False,
+    older_than: float | None = None,
     dry_run: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> PurgeReport:
     """Remove one layout's entries (`fingerprint`) or the bad ones (`bad`) from a store.
 
+    Args:
+        older_than: with `fingerprint` on a URL, only the layout's objects not read or
+            written for this many seconds (the remote tier's last-access records).
+
     Raises:
-        ConfigError: neither or both selections, an unknown or ambiguous fingerprint, or a
-            target that is no store.
+        ConfigError: neither or both selections, an unknown or ambiguous fingerprint, a
+            target that is no store, or `older_than` without a fingerprint or on a path.
         TierIOError: the store cannot be changed.
     """
     if (fingerprint is None) == (not bad):
         raise ConfigError("purge: give --fingerprint F or --bad (one of them)")
+    if older_than is not None and (fingerprint is None or "://" not in target):
+        raise ConfigError(
+            "--older-than: only with --fingerprint on a URL (an LMDB path records recency "
+            "order, not times)"
+        )
     found = inspect(target, verify=bad, storage_options=storage_options)
     full = None
     if fingerprint is not None:
         full = _resolve(fingerprint.lower(), [ns.fingerprint for ns in found.namespaces])
     report = PurgeReport(target, full, dry_run=dry_run)
-    if "://" in target:
+    if "://" in target and older_than is not None:
+        assert full is not None
+        _purge_idle(target, full, older_than, report, storage_options or {})
+        report.kept += sum(ns.entries for ns in found.namespaces if ns.fingerprint != full)
+    elif "://" in target:
         _purge_remote(target, full, found, report, storage_options or {})
     else:
         _purge_lmdb(Path(target), full, report)
@@ -141,6 +155,28 @@ def _purge_remote(
             fs.rm(path, recursive=fingerprint is not None)
     except (OSError, ValueError) as exc:
         raise TierIOError(f"{url}: purge failed: {exc}") from exc
+
+
+def _purge_idle(
+    url: str,
+    fingerprint: str,
+    older_than: float,
+    report: PurgeReport,
+    storage_options: dict[str, Any],
+) -> None:
+    import asyncio
+
+    from kvtiers.core.config import TierConfig
+    from kvtiers.tiers._remote_admin import purge_namespace
+
+    config = TierConfig(
+        "remote", 1, name="purge", options={"url": url, "storage_options": storage_options}
+    )
+    result = asyncio.run(
+        purge_namespace(config, fingerprint, older_than=older_than, dry_run=report.dry_run)
+    )
+    report.removed, report.removed_bytes = result.num_objects, result.num_bytes
+    report.kept = result.num_kept
 
 
 def to_json(report: PurgeReport) -> str:

@@ -428,6 +428,13 @@ def _add_purge_parser(commands: Any) -> None:
         "--fingerprint", metavar="F", help="a layout fingerprint (or prefix) as inspect shows"
     )
     which.add_argument("--bad", action="store_true", help="entries that fail verification")
+    purge.add_argument(
+        "--older-than",
+        type=_age,
+        metavar="AGE",
+        help="with --fingerprint on a URL: only objects not read or written for AGE "
+        "(e.g. 3600, 90m, 12h, 7d); an LMDB path records no times",
+    )
     purge.add_argument("--dry-run", action="store_true", help="count, delete nothing")
     purge.add_argument("--json", action="store_true", help="print JSON")
     purge.add_argument(
@@ -443,6 +450,7 @@ def _run_purge(args: argparse.Namespace) -> int:
         args.target,
         fingerprint=args.fingerprint,
         bad=args.bad,
+        older_than=args.older_than,
         dry_run=args.dry_run,
         storage_options=_storage_options(args.storage_options),
     )
@@ -557,7 +565,12 @@ def _run_remote_purge(args: argparse.Namespace) -> int:
         raise ConfigError("layout: required to purge: the layout names the namespace")
     for tc in _remote_tiers(config, args.tier):
         result = asyncio.run(
-            purge_namespace(tc, config.layout, older_than=args.older_than, dry_run=args.dry_run)
+            purge_namespace(
+                tc,
+                config.layout.fingerprint.hex(),
+                older_than=args.older_than,
+                dry_run=args.dry_run,
+            )
         )
         verb = "would delete" if args.dry_run else "deleted"
         print(

@@ -158,11 +158,39 @@ def test_remote_purge_by_layout_and_bad(tmp_path, layout, capsys):
     assert hit == 16 and same_bytes(kv, make_kv(layout, 64)[:, :, :16])
 
 
+def test_remote_purge_by_age_takes_only_the_idle_objects(tmp_path, layout, capsys):
+    import os
+    import time
+
+    url = f"file://{tmp_path}/pool"
+    cfg = make_config(dram_chunks=8)
+    cfg["tiers"].append({"kind": "remote", "url": url, "capacity": 50 * (layout.chunk_bytes + 512)})
+    other = make_config(dram_chunks=8, layout={"model": "other"})
+    other["tiers"].append(dict(cfg["tiers"][1]))
+    keys = asyncio.run(fill(cfg, layout, 64))
+    asyncio.run(fill(other, layout, 32))
+    two_days_ago = time.time() - 2 * 86400
+    for log in Path(tmp_path, "pool", layout.fingerprint.hex(), "_access").iterdir():
+        log.unlink()  # the writers' access records: last access is then the last write
+    for key in keys[2:]:  # the deepest two chunks were last written two days ago
+        [path] = Path(tmp_path, "pool").rglob(key.hex())
+        os.utime(path, (two_days_ago, two_days_ago))
+    fp = layout.fingerprint.hex()
+    dry = purge_json(capsys, url, "--fingerprint", fp, "--older-than", "1d", "--dry-run")
+    assert (dry["removed"], dry["kept"]) == (2, 4)
+    done = purge_json(capsys, url, "--fingerprint", fp, "--older-than", "1d")
+    assert (done["removed"], done["kept"]) == (2, 4)
+    assert [bool(list(Path(tmp_path, "pool").rglob(k.hex()))) for k in keys] == [1, 1, 0, 0]
+    hit, kv = asyncio.run(load_all(cfg, layout, 64))
+    assert hit == 32 and same_bytes(kv, make_kv(layout, 64)[:, :, :32])
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--fingerprint", "ffff"], "no layout"),
         ([], "one of the arguments"),
+        (["--bad", "--older-than", "1d"], "only with --fingerprint on a URL"),
     ],
 )
 def test_purge_bad_arguments_exit_2(tmp_path, layout, capsys, argv, message):

@@ -111,17 +111,17 @@ async def _merge_logs(store: ObjectStore, listing: Listing) -> None:
 
 async def purge_namespace(
     config: TierConfig,
-    layout: KVLayout,
+    fingerprint: str,
     *,
     older_than: float | None,
     dry_run: bool = False,
     now: float | None = None,
 ) -> PurgeResult:
-    """Delete the layout's objects, all of them or those idle for `older_than` seconds.
+    """Delete a layout's objects, all of them or those idle for `older_than` seconds.
 
     Args:
         config: the remote tier's config.
-        layout: the layout whose namespace is purged.
+        fingerprint: the layout fingerprint (hex) whose namespace is purged.
         older_than: seconds since last access (reads recorded in access logs, or the last
             write); `None` deletes everything in the namespace, access logs included.
         dry_run: count only; delete nothing.
@@ -135,7 +135,7 @@ async def purge_namespace(
         raise ConfigError(f"--older-than: expected a non-negative age, got {older_than}")
     now = time.time() if now is None else now
     async with open_store(config) as store:
-        namespace = f"{store.root}/{layout.fingerprint.hex()}"
+        namespace = f"{store.root}/{fingerprint}"
         try:
             listing = await scan(store, namespace)
             if older_than is None:
