@@ -54,6 +54,9 @@ def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
         name = name.removeprefix("kvtiers_").removesuffix("_total")
         value = float(raw_value)
         where = cache
+        if name == "misses_evicted":
+            cache.setdefault("evicted_from", {})[labels.get("tier", "")] = value
+            continue
         if "tier" in labels:
             where = cache["tiers"][labels["tier"]]
             where["kind"] = labels.get("kind", "")
@@ -132,6 +135,13 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
         )
         misses = cache["misses"]
         reasons = ", ".join(f"{r} {n:,.0f}" for r, n in sorted(misses.items(), key=lambda x: -x[1]))
+        evicted_from = cache.get("evicted_from", {})
+        if evicted_from:
+            reasons += (
+                " (evicted last from: "
+                + ", ".join(f"{t} {n:,.0f}" for t, n in sorted(evicted_from.items()))
+                + ")"
+            )
         lines.append(f"  misses: {reasons or 'none'}")
         latency = _latency_line(cache.get("latency", {}))
         if latency:

@@ -39,7 +39,8 @@ class Mover(WriteQueues):
         """`longest_prefix`, counting in `miss_reasons` why the chunk after the hit was missed.
 
         Reasons: "tier_error" (a tier call failed during the lookup), "evicted" (the cache
-        evicted or dropped the chunk recently), "never_stored" (nothing known of it).
+        evicted or dropped the chunk recently; `evicted_from` counts the tier that dropped
+        it last), "never_stored" (nothing known of it).
         """
         errors = self._errors
         num_chunks = await self.longest_prefix(keys)
@@ -48,6 +49,7 @@ class Mover(WriteQueues):
                 reason = "tier_error"
             elif keys[num_chunks] in self._evicted:
                 reason = "evicted"
+                self.evicted_from[self._evicted[keys[num_chunks]]] += 1
             else:
                 reason = "never_stored"
             self.miss_reasons[reason] += 1

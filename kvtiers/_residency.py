@@ -83,7 +83,10 @@ class Residency:
         self.miss_reasons: Counter[str] = Counter()
         """Per lookup or short load, why the first chunk not served was not (see `lookup`)."""
         # NOTE: a dict as a bounded insertion-ordered set: the oldest key goes first.
-        self._evicted: dict[ChunkKey, None] = {}
+        self._evicted: dict[ChunkKey, str] = {}
+        """Keys recently dropped, with the tier that dropped them last, oldest first."""
+        self.evicted_from: Counter[str] = Counter()
+        """Of the "evicted" misses, per tier that dropped the chunk last."""
         self._errors = 0  # tier calls failed so far (`_call`)
         self._log = RateLimitedLog(logger)
         self._drops = 0  # residencies dropped so far (`_drop`)
@@ -240,7 +243,7 @@ class Residency:
         self._drops += 1
         evicted = self._evicted
         evicted.pop(key, None)
-        evicted[key] = None
+        evicted[key] = slot.tier.name
         if len(evicted) > _RECENTLY_EVICTED:
             del evicted[next(iter(evicted))]
         if self._events is not None:

@@ -496,6 +496,7 @@ class TieredCache:
             stored_tokens=t.stored_tokens,
             write_queue_chunks=self._mover.queued_chunks(),
             miss_reasons=dict(self._mover.miss_reasons),
+            evicted_from=dict(self._mover.evicted_from),
             events_dropped=self._events.dropped if self._events is not None else 0,
             latency=t.latency(),
             tiers=tuple(slot.tier.stats() for slot in self._slots),

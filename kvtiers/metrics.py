@@ -71,6 +71,14 @@ def metric_families(stats: CacheStats, labels: dict[str, str]) -> Iterator[Any]:
     for reason, count in sorted(stats.miss_reasons.items()):
         misses.add_metric([*values, reason], float(count))
     yield misses
+    evicted = CounterMetricFamily(
+        "kvtiers_misses_evicted",
+        'Of the "evicted" misses, by the tier that dropped the chunk last.',
+        labels=[*names, "tier"],
+    )
+    for tier, count in sorted(stats.evicted_from.items()):
+        evicted.add_metric([*values, tier], float(count))
+    yield evicted
     queue = GaugeMetricFamily(
         "kvtiers_write_queue_chunks", "Chunks waiting for write-through tiers.", labels=names
     )

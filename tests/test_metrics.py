@@ -31,7 +31,9 @@ def metrics_config(**kw):
     return {**make_config(**kw), "metrics": {"port": 0}}
 
 
-async def test_known_workload_gives_exact_counters(layout):
+async def test_known_workload_gives_exact_counters(layout, capsys):
+    from kvtiers.cli import main
+
     async with TieredCache.from_config(metrics_config(dram_chunks=4)) as cache:
         assert cache.metrics_url is not None
         tokens = list(range(64))  # 4 chunks of 16
@@ -42,6 +44,8 @@ async def test_known_workload_gives_exact_counters(layout):
         assert await cache.lookup(tokens) < 64  # evicted
         await cache.load(tokens[:16])
         got = await asyncio.to_thread(scrape, cache.metrics_url)
+        assert await asyncio.to_thread(main, ["stats", cache.metrics_url]) == 0
+    assert "(evicted last from: dram 1)" in capsys.readouterr().out
     tier = (("kind", "dram"), ("tier", "dram"), ("tp_rank", "0"))
     assert got[("kvtiers_lookups_total", (("tp_rank", "0"),))] == 3
     assert got[("kvtiers_hit_tokens_total", (("tp_rank", "0"),))] == 64 + 32
@@ -50,6 +54,7 @@ async def test_known_workload_gives_exact_counters(layout):
     assert got[("kvtiers_loads_total", (("tp_rank", "0"),))] == 1
     assert got[("kvtiers_misses_total", (("reason", "never_stored"), ("tp_rank", "0")))] == 1
     assert got[("kvtiers_misses_total", (("reason", "evicted"), ("tp_rank", "0")))] == 1
+    assert got[("kvtiers_misses_evicted_total", (("tier", "dram"), ("tp_rank", "0")))] == 1
     assert got[("kvtiers_tier_evictions_total", tier)] == 2
     assert got[("kvtiers_tier_num_entries", tier)] == 4
     assert got[("kvtiers_tier_capacity_bytes", tier)] == 4 * layout.chunk_bytes

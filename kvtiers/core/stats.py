@@ -223,6 +223,8 @@ class CacheStats:
     "never_stored", "evicted" or "tier_error" for the chunk after the hit prefix; per load
     that delivered fewer chunks than the index knew of, "corrupt", "tier_error" or
     "load_short". See docs/operations.md for what to change for each."""
+    evicted_from: dict[str, int] = field(default_factory=dict)
+    """Of the "evicted" misses, per tier that dropped the chunk last (the tier to grow)."""
     events_dropped: int = 0
     """KV events dropped because the event queue was full (see `TieredCache.take_events`)."""
     latency: dict[str, LatencySnapshot] = field(default_factory=dict)
