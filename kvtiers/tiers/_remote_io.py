@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
+import numpy as np
+import numpy.typing as npt
 from fsspec.core import split_protocol, url_to_fs
 
 from kvtiers.core.errors import ConfigError, TierIOError
@@ -207,6 +209,25 @@ class ObjectStore:
             return data
         except FileNotFoundError:
             return None
+
+    @property
+    def reads_into(self) -> bool:
+        """Whether `read_into` serves this store (a local or mounted filesystem)."""
+        return self.protocol in ("file", "local")
+
+    async def read_into(
+        self, path: str, take: Callable[[], npt.NDArray[np.uint8]]
+    ) -> tuple[npt.NDArray[np.uint8], int] | None:
+        """Read the object at `path` into a buffer from `take`; the buffer and bytes read.
+
+        Each attempt takes its own buffer, so a timed-out attempt that goes on reading
+        never writes into the buffer of a later one. `None` if there is no such object.
+        """
+        try:
+            result: tuple[npt.NDArray[np.uint8], int] = await self._request(_read_into, path, take)
+        except FileNotFoundError:
+            return None
+        return result
 
     async def cat_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[Any] | None:
         """Return byte ranges `[start, end)` of one object (an exception where one failed).
@@ -404,6 +425,21 @@ class ObjectStore:
             )
         else:
             logger.debug("kvtiers: remote tier %r: %s", self.name, self.describe(exc))
+
+
+def _read_into(
+    fs: Any, path: str, take: Callable[[], npt.NDArray[np.uint8]]
+) -> tuple[npt.NDArray[np.uint8], int]:
+    """Read the object at `path` into a buffer from `take`, up to its size (sync fs)."""
+    buf = take()
+    view, got = buf.data, 0
+    with fs.open(path, "rb") as f:
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return buf, got
 
 
 def _range_refused(exc: BaseException) -> bool:

@@ -51,6 +51,7 @@ from kvtiers.core.stats import StoreHealth, TierUsage
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._integrity import auth_key_from_config
+from kvtiers.tiers._read_buffers import ReadBuffers
 from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all, health_of
 from kvtiers.tiers._remote_catalog import (
     ACCESS_DIR,
@@ -128,6 +129,9 @@ class RemoteTier(Tier):
         self._put_slots = asyncio.Semaphore(self.options.max_in_flight)  # packed values held
         self._cpu: ThreadPoolExecutor | None = None
         self._stragglers = Stragglers()  # reads a call stopped waiting for (read_timeout)
+        # whole objects of a local filesystem are read into these (one byte more than a
+        # valid object holds, so a longer one shows as such)
+        self._buffers = ReadBuffers(self.value_bytes + 1, 2 * self.options.max_in_flight)
         self._next_scan = math.inf
 
     @property
@@ -234,8 +238,11 @@ class RemoteTier(Tier):
             return [False] * len(keys)
         deadline = time.monotonic() + self._store.read_timeout
 
-        async def judge(i: int, raw: bytes | None) -> tuple[Verdict | None, int]:
-            return await self._judge(keys[i], raw, dsts[i])
+        async def judge(i: int, raw: bytes | memoryview | None) -> tuple[Verdict | None, int]:
+            found = await self._judge(keys[i], raw, dsts[i])
+            if isinstance(raw, memoryview) and isinstance(raw.obj, np.ndarray):
+                self._buffers.give(raw.obj)  # copied out: the buffer is free again
+            return found
 
         # Each object is verified and copied as it arrives, while the others are in flight.
         found, late = await self._stragglers.as_they_come(
@@ -248,17 +255,23 @@ class RemoteTier(Tier):
         return hits
 
     async def _judge(
-        self, key: ChunkKey, raw: bytes | None, dst: Buffer
+        self, key: ChunkKey, raw: bytes | memoryview | None, dst: Buffer
     ) -> tuple[Verdict | None, int]:
         """Check one object read and copy it into `dst`; its verdict (`None`: none) and size."""
         if raw is None:
             return None, 0
         return await self._offload(self._check_and_copy, key, raw, dst), len(raw)
 
-    async def _fetch(self, key: ChunkKey) -> bytes | None:
+    async def _fetch(self, key: ChunkKey) -> bytes | memoryview | None:
+        path = object_path(self.namespace, key)
+        raw: bytes | memoryview | None
         try:
             # NOTE: one byte more than a valid object holds, so a longer one shows as such.
-            raw = await self._store.cat(object_path(self.namespace, key), self.value_bytes + 1)
+            if self._store.reads_into:
+                read = await self._store.read_into(path, self._buffers.take)
+                raw = None if read is None else read[0].data[: read[1]]
+            else:
+                raw = await self._store.cat(path, self.value_bytes + 1)
         except StoreUnavailable:
             self.counters.errors += 1
             return None
@@ -266,7 +279,7 @@ class RemoteTier(Tier):
             self._catalog.remove(key)
         return raw
 
-    def _check_and_copy(self, key: ChunkKey, raw: bytes, dst: Buffer) -> Verdict:
+    def _check_and_copy(self, key: ChunkKey, raw: bytes | memoryview, dst: Buffer) -> Verdict:
         verdict, payload = self._check(key, raw)
         if payload is not None:  # verified before a byte reaches the destination
             np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
@@ -446,7 +459,9 @@ class RemoteTier(Tier):
         self.counters.bytes_read += sum(hits) * len(plan.layers) * self.layout.layer_bytes
         return hits
 
-    async def _read_layers(self, key: ChunkKey, plan: LayerPlan) -> Pieces | bytes | None:
+    async def _read_layers(
+        self, key: ChunkKey, plan: LayerPlan
+    ) -> Pieces | bytes | memoryview | None:
         """Read one object's layers of `plan`, verified, or else the whole object.
 
         The whole object is read when the ranges do not verify (it is then judged as `get`
@@ -470,17 +485,17 @@ class RemoteTier(Tier):
         return await self._fetch(key)
 
     async def _deliver_layers(
-        self, key: ChunkKey, got: Pieces | bytes | None, plan: LayerPlan, dst: Buffer
+        self, key: ChunkKey, got: Pieces | bytes | memoryview | None, plan: LayerPlan, dst: Buffer
     ) -> tuple[Verdict | None, int]:
         """Copy what `_read_layers` returned into `dst`; its verdict and object size."""
         if got is None:
             return None, 0
-        if isinstance(got, bytes):
+        if isinstance(got, bytes | memoryview):
             return await self._offload(self._check_and_copy_layers, key, got, plan, dst)
         await self._offload(write_layers, dst, got, self.layout.num_layers)
         return Verdict.OK, self.value_bytes
 
-    def _check(self, key: ChunkKey, raw: bytes) -> tuple[Verdict, memoryview | None]:
+    def _check(self, key: ChunkKey, raw: bytes | memoryview) -> tuple[Verdict, memoryview | None]:
         return fmt.check_value(
             raw,
             fingerprint=self._fingerprint,
@@ -490,7 +505,7 @@ class RemoteTier(Tier):
         )
 
     def _check_and_copy_layers(
-        self, key: ChunkKey, raw: bytes, plan: LayerPlan, dst: Buffer
+        self, key: ChunkKey, raw: bytes | memoryview, plan: LayerPlan, dst: Buffer
     ) -> tuple[Verdict, int]:
         verdict, payload = self._check(key, raw)
         if payload is not None:

@@ -628,3 +628,16 @@ def test_eviction_other_than_lru_and_tiny_capacity_are_refused() -> None:
 def test_registry_resolves_remote() -> None:
     assert TierRegistry(load_entry_points=False).resolve("remote") is RemoteTier
     assert RemoteTier.shared and RemoteTier.manages_eviction
+
+
+async def test_local_objects_are_read_into_reused_buffers(tmp_path: Path) -> None:
+    ks, srcs = keys(4), payloads(4)
+    async with make_tier(f"file://{tmp_path}/pool", max_in_flight=2) as tier:
+        await tier.put(ks, srcs)
+        out = dsts(4)
+        assert await tier.get(ks, out) == [True] * 4
+        pooled = list(tier._buffers._free)
+        assert 1 <= len(pooled) <= 4  # given back once copied out (at most 2 x in flight)
+        assert await tier.get(ks, dsts(4)) == [True] * 4
+        assert {id(b) for b in tier._buffers._free} & {id(b) for b in pooled}  # reused
+        assert all(np.array_equal(o, s) for o, s in zip(out, srcs, strict=True))
