@@ -163,7 +163,7 @@ class Mover(WriteQueues):
         if self._memtop is not None:
             await self._gather_top(keys, sink, done)
         plan: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
+        for i, key in enumerate(keys if len(lower) > 1 else ()):
             mask = 0 if done[i] else self._index.tiers_of(key)
             for slot in lower:
                 if mask & (1 << slot.idx):
