@@ -38,14 +38,15 @@ class Mover(WriteQueues):
     async def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """`longest_prefix`, counting in `miss_reasons` why the chunk after the hit was missed.
 
-        Reasons: "tier_error" (a tier call failed during the lookup), "evicted" (the cache
+        Reasons: "tier_error" (a tier call, or a request of a tier to its store, failed or
+        timed out during the lookup, or the store's breaker refused it), "evicted" (the cache
         evicted or dropped the chunk recently; `evicted_from` counts the tier that dropped
         it last), "never_stored" (nothing known of it).
         """
-        errors = self._errors
+        errors = self._error_count()
         num_chunks = await self.longest_prefix(keys)
         if num_chunks < len(keys):
-            if self._errors != errors:
+            if self._error_count() != errors:
                 reason = "tier_error"
             elif keys[num_chunks] in self._evicted:
                 reason = "evicted"
@@ -90,7 +91,7 @@ class Mover(WriteQueues):
         A load that delivers fewer chunks than the index knew of counts one miss reason:
         "corrupt" (a tier found an entry corrupt), "tier_error", or else "load_short".
         """
-        corrupt, errors, drops = self._corrupt_count(), self._errors, self._drops
+        corrupt, errors, drops = self._corrupt_count(), self._error_count(), self._drops
         done = [False] * len(keys)
         await self._gather(keys, sink, done)
         loaded = _leading(done)
@@ -102,7 +103,7 @@ class Mover(WriteQueues):
         ):
             if self._corrupt_count() != corrupt:
                 reason = "corrupt"
-            elif self._errors != errors:
+            elif self._error_count() != errors:
                 reason = "tier_error"
             else:
                 reason = "load_short"

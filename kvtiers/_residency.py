@@ -87,7 +87,6 @@ class Residency:
         """Keys recently dropped, with the tier that dropped them last, oldest first."""
         self.evicted_from: Counter[str] = Counter()
         """Of the "evicted" misses, per tier that dropped the chunk last."""
-        self._errors = 0  # tier calls failed so far (`_call`)
         self._log = RateLimitedLog(logger)
         self._drops = 0  # residencies dropped so far (`_drop`)
         self._index = index
@@ -110,6 +109,11 @@ class Residency:
 
     def _corrupt_count(self) -> int:
         return sum(slot.tier.counters.corrupt for slot in self._slots)
+
+    def _error_count(self) -> int:
+        """Failures so far: tier calls that raised (`_call`) and the tiers' own failed,
+        timed-out or refused requests to their stores, which they serve as misses."""
+        return sum(slot.tier.counters.errors for slot in self._slots)
 
     def _release_pending(self, key: ChunkKey) -> None:
         self._pending[key] -= 1
@@ -223,7 +227,6 @@ class Residency:
                 exc=exc,
             )
             slot.tier.counters.errors += 1
-            self._errors += 1
             return default
         finally:
             slot.tier.counters.observe(name, time.perf_counter() - start)

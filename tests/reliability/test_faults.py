@@ -127,6 +127,7 @@ async def test_store_back_to_health_serves_every_chunk_again() -> None:
         start = time.perf_counter()
         assert (await cache.load(convs[0][0])).shape[2] == 0
         assert time.perf_counter() - start < READ_TIMEOUT + SLACK
+        assert cache.stats().miss_reasons.get("load_short", 0) == 0  # timed out: tier_error
         faulty.ACTIVE.off()
         await asyncio.sleep(3 * READ_TIMEOUT)  # the slow requests end as stragglers
         for tokens, kv in convs:
@@ -142,6 +143,7 @@ async def test_lookup_is_bounded_by_the_read_timeout_too() -> None:
         start = time.perf_counter()
         assert await cache.lookup(convs[0][0]) == 0
         assert time.perf_counter() - start < READ_TIMEOUT + SLACK
+        assert cache.stats().miss_reasons == {"tier_error": 1}  # not "never_stored"
 
 
 @pytest.mark.parametrize("integrity", [False, True])
