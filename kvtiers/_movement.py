@@ -39,7 +39,8 @@ class Mover(WriteQueues):
         """`longest_prefix`, counting in `miss_reasons` why the chunk after the hit was missed.
 
         Reasons: "tier_error" (a tier call, or a request of a tier to its store, failed or
-        timed out during the lookup, or the store's breaker refused it), "evicted" (the cache
+        timed out during the lookup; a tier that answers misses at once because its breaker
+        is open sends no request and counts none), "evicted" (the cache
         evicted or dropped the chunk recently; `evicted_from` counts the tier that dropped
         it last), "never_stored" (nothing known of it).
         """
