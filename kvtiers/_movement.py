@@ -7,7 +7,7 @@ write-through queues (`WriteQueues`); see those modules for the invariants it re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,30 +32,56 @@ def _leading(flags: Sequence[bool]) -> int:
     return count
 
 
+def _fault_reason(before: tuple[int, ...], after: tuple[int, ...]) -> str | None:
+    """Name what went wrong between two `Residency._faults` totals (`None`: nothing)."""
+    corrupt, foreign, failed, timeouts = (a - b for a, b in zip(after, before, strict=True))
+    if corrupt:
+        return "corrupt"
+    if foreign:
+        return "layout_mismatch"
+    if timeouts:
+        return "timeout"
+    if failed:
+        return "tier_unavailable"
+    return None
+
+
 class Mover(WriteQueues):
     """Carry out lookups, loads, stores and evictions over the slots of one cache."""
 
-    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
+    async def lookup(
+        self, keys: Sequence[ChunkKey], other_salt: Callable[[], bool] | None = None
+    ) -> int:
         """`longest_prefix`, counting in `miss_reasons` why the chunk after the hit was missed.
 
-        Reasons: "tier_error" (a tier call, or a request of a tier to its store, failed or
-        timed out during the lookup; a tier that answers misses at once because its breaker
-        is open sends no request and counts none), "evicted" (the cache
-        evicted or dropped the chunk recently; `evicted_from` counts the tier that dropped
-        it last), "never_stored" (nothing known of it).
+        Reasons: "timeout" (a request of a tier to its store got no answer in time),
+        "tier_unavailable" (a tier call failed, a tier's request to its store failed, or
+        its open breaker answered misses at once), "evicted" (the cache evicted or dropped
+        the chunk recently; `evicted_from` counts the tier that dropped it last),
+        "salt_mismatch" (a first chunk that `other_salt` says was stored under another
+        salt), "never_stored" (nothing known of it).
         """
-        errors = self._error_count()
+        before = self._faults()
         num_chunks = await self.longest_prefix(keys)
         if num_chunks < len(keys):
-            if self._error_count() != errors:
-                reason = "tier_error"
-            elif keys[num_chunks] in self._evicted:
-                reason = "evicted"
-                self.evicted_from[self._evicted[keys[num_chunks]]] += 1
-            else:
-                reason = "never_stored"
+            reason = _fault_reason(before, self._faults())
+            if reason is None:
+                reason = self._absence_reason(keys[num_chunks], num_chunks == 0, other_salt)
             self.miss_reasons[reason] += 1
         return num_chunks
+
+    def _absence_reason(
+        self, key: ChunkKey, first: bool, other_salt: Callable[[], bool] | None
+    ) -> str:
+        """Say why no tier held `key`, with no tier fault to blame."""
+        dropped_by = self._evicted.get(key)
+        if dropped_by is not None:
+            self.evicted_from[dropped_by] += 1
+            return "evicted"
+        # NOTE: another salt changes every key of the chain, so such a miss is at chunk 0.
+        if first and other_salt is not None and other_salt():
+            return "salt_mismatch"
+        return "never_stored"
 
     async def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """Return how many leading `keys` some tier holds.
@@ -90,9 +116,11 @@ class Mover(WriteQueues):
         """Deliver the leading cached chunks of `keys` to `sink`; return how many.
 
         A load that delivers fewer chunks than the index knew of counts one miss reason:
-        "corrupt" (a tier found an entry corrupt), "tier_error", or else "load_short".
+        "corrupt" (a tier found an entry corrupt), "layout_mismatch" (an entry of another
+        layout under the key), "timeout", "tier_unavailable" (as for `lookup`), or else
+        "load_short".
         """
-        corrupt, errors, drops = self._corrupt_count(), self._error_count(), self._drops
+        before, drops = self._faults(), self._drops
         done = [False] * len(keys)
         await self._gather(keys, sink, done)
         loaded = _leading(done)
@@ -102,13 +130,7 @@ class Mover(WriteQueues):
             self._index.tiers_of(keys[loaded])
             or (self._drops != drops and keys[loaded] in self._evicted)
         ):
-            if self._corrupt_count() != corrupt:
-                reason = "corrupt"
-            elif self._error_count() != errors:
-                reason = "tier_error"
-            else:
-                reason = "load_short"
-            self.miss_reasons[reason] += 1
+            self.miss_reasons[_fault_reason(before, self._faults()) or "load_short"] += 1
         return loaded
 
     async def gather(self, keys: Sequence[ChunkKey], sink: Sink) -> list[bool]:

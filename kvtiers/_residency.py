@@ -107,13 +107,21 @@ class Residency:
         # chunks staged into one reused buffer packs faster than from scattered memory).
         self._direct_puts = layout.chunk_bytes >= DIRECT_PUT_BYTES
 
-    def _corrupt_count(self) -> int:
-        return sum(slot.tier.counters.corrupt for slot in self._slots)
+    def _faults(self) -> tuple[int, int, int, int]:
+        """Return the tiers' running totals of what turns a chunk into a miss.
 
-    def _error_count(self) -> int:
-        """Failures so far: tier calls that raised (`_call`) and the tiers' own failed,
-        timed-out or refused requests to their stores, which they serve as misses."""
-        return sum(slot.tier.counters.errors for slot in self._slots)
+        Corrupt entries, entries of another layout, failures (tier calls that raised, the
+        tiers' own failed requests to their stores, calls refused by an open breaker), and
+        of those, requests that timed out. A miss reason compares two of these.
+        """
+        corrupt = foreign = failed = timeouts = 0
+        for slot in self._slots:
+            counters = slot.tier.counters
+            corrupt += counters.corrupt
+            foreign += counters.foreign
+            failed += counters.errors + counters.unavailable
+            timeouts += counters.timeouts
+        return corrupt, foreign, failed, timeouts
 
     def _release_pending(self, key: ChunkKey) -> None:
         self._pending[key] -= 1

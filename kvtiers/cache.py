@@ -22,6 +22,7 @@ from kvtiers._endpoints import (
     TensorSource,
 )
 from kvtiers._movement import Mover, Slot
+from kvtiers._salts import SaltWitness
 from kvtiers._tally import CallTally
 from kvtiers._tensors import as_tokens, check_chunks, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
@@ -84,6 +85,7 @@ class TieredCache:
         self.config = config.with_layout(layout)
         self.layout = layout
         self._hasher = ChunkHasher(layout.fingerprint, layout.chunk_size)
+        self._salts = SaltWitness(layout.chunk_size)
         self._index = PrefixIndex(len(config.tiers))
         self._slots = _build_slots(self.config, layout, registry or TierRegistry())
         self._events = EventQueue(config.events) if config.events > 0 else None
@@ -205,7 +207,9 @@ class TieredCache:
         start = time.perf_counter()
         arr = as_tokens(tokens)
         keys = self._hasher.keys_of_array(arr, salt)
-        num_chunks = await self._mover.lookup(keys)
+        num_chunks = await self._mover.lookup(
+            keys, lambda: self._salts.other_root(arr, self._hasher.root(salt))
+        )
         hit = num_chunks * self.layout.chunk_size
         self._tally.lookup(len(arr), hit, time.perf_counter() - start)
         return hit
@@ -272,6 +276,7 @@ class TieredCache:
         arr = as_tokens(tokens)
         check_kv(self.layout, kv, len(arr))
         keys = self._hasher.keys_of_array(arr, salt)
+        self._salts.stored(arr, self._hasher.root(salt))
         source = TensorSource(self.layout, kv)
         new_chunks = await self._mover.store(keys, source) if keys else 0
         return self._record_store(new_chunks, start)
@@ -301,7 +306,9 @@ class TieredCache:
         self._ensure_open()
         start = time.perf_counter()
         paged.check_layout(self.layout)
-        keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
+        arr = as_tokens(tokens)
+        keys = self._hasher.keys_of_array(arr, salt)
+        self._salts.stored(arr, self._hasher.root(salt))
         engine = await self._copy_engine(paged.device)
         source = PagedSource(self.layout, engine, paged, block_table)
         new_chunks = await self._mover.store(keys, source) if keys else 0

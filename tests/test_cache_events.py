@@ -82,6 +82,20 @@ async def test_miss_reasons_never_stored_and_evicted(layout):
         assert cache.stats().miss_reasons == {"never_stored": 1, "evicted": 1}
 
 
+async def test_miss_reason_salt_mismatch(layout):
+    async with TieredCache.from_config(make_config(dram_chunks=16)) as cache:
+        await cache.store(tokens_of(0), make_kv(layout, 64, seed=0), salt="tenant-a")
+        assert await cache.lookup(tokens_of(0), salt="tenant-b") == 0
+        assert cache.stats().miss_reasons == {"salt_mismatch": 1}
+        assert await cache.lookup(tokens_of(1), salt="tenant-b") == 0  # nobody stored it
+        assert cache.stats().miss_reasons == {"salt_mismatch": 1, "never_stored": 1}
+        await cache.store(tokens_of(0), make_kv(layout, 64, seed=0), salt="tenant-b")
+        assert await cache.lookup(tokens_of(0), salt="tenant-b") == 64
+        longer = [*tokens_of(0), *tokens_of(2)]  # a hit prefix, then chunks never stored
+        assert await cache.lookup(longer, salt="tenant-a") == 64
+        assert cache.stats().miss_reasons == {"salt_mismatch": 1, "never_stored": 2}
+
+
 async def test_miss_reason_load_short(layout):
     async with TieredCache.from_config(make_config(dram_chunks=4)) as cache:
         await cache.store(tokens_of(0), make_kv(layout, 64, seed=0))

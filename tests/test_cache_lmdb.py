@@ -13,6 +13,7 @@ import lmdb
 import pytest
 
 from kvtiers import TieredCache, TierIOError
+from kvtiers.tiers._lmdb_format import pack_value
 from tests.conftest import make_config, make_kv, same_bytes, small_layout
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -164,7 +165,30 @@ async def test_corrupt_lmdb_value_is_a_counted_miss(tmp_path, layout):
         assert got.shape[2] == 32  # the prefix before the corrupt chunk
         assert same_bytes(got, kv[:, :, :32])
         assert cache.stats().tiers[1].corrupt == 1
+        assert cache.stats().miss_reasons == {"corrupt": 1}
         assert await cache.lookup(tokens) == 32  # deleted, never served
+
+
+async def test_entry_of_another_layout_is_a_layout_mismatch_miss(tmp_path, layout):
+    cfg = make_config(tmp_path, lmdb_chunks=100)
+    tokens = list(range(64))
+    kv = make_kv(layout, 64)
+    async with TieredCache.from_config(cfg) as cache:
+        await cache.store(tokens, kv)
+        victim = cache.keys(tokens)[1]
+    other = small_layout(model="another-model").fingerprint
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8, subdir=True)
+    db = env.open_db(b"chunks")
+    with env.begin(write=True, db=db) as txn:  # another layout's value under the key
+        value = pack_value(other, victim, kv[:, :, 16:32].contiguous().view(-1).numpy().data)
+        txn.put(victim, value)
+    env.close()
+    async with TieredCache.from_config(cfg) as cache:
+        assert await cache.lookup(tokens) == 64  # contains() does not read headers
+        got = await cache.load(tokens)
+        assert same_bytes(got, kv[:, :, :16])
+        assert cache.stats().tiers[1].foreign == 1
+        assert cache.stats().miss_reasons == {"layout_mismatch": 1}
 
 
 async def test_cancelled_loads_with_lmdb_leave_no_pins(tmp_path, layout):

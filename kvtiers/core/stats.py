@@ -132,9 +132,21 @@ class TierCounters:
     """Of `corrupt`, entries without a valid integrity tag (tiers with `integrity` on)."""
     errors: int = 0
     """Backend failures turned into misses or declined writes."""
+    timeouts: int = 0
+    """Of `errors`, requests given up for want of an answer (a request timeout, or a read
+    still running at the read deadline)."""
+    unavailable: int = 0
+    """Calls answered with misses at once, sending no request, because the store's circuit
+    breaker was open."""
     latency: dict[str, LatencyHistogram] = field(default_factory=dict)
     """Durations of the cache's calls to the tier, by operation ("contains", "get", "put",
     "delete")."""
+
+    def fail(self, count: int = 1, *, timed_out: bool = False) -> None:
+        """Count `count` failed requests that were served as misses or declined."""
+        self.errors += count
+        if timed_out:
+            self.timeouts += count
 
     def observe(self, op: str, seconds: float) -> None:
         """Record that a call of `op` to the tier took `seconds`."""
@@ -185,6 +197,8 @@ class TierStats:
     foreign: int = 0
     forged: int = 0
     errors: int = 0
+    timeouts: int = 0
+    unavailable: int = 0
     latency: dict[str, LatencySnapshot] = field(default_factory=dict)
     breaker: str | None = None
     """The state of the tier's circuit breaker ("closed", "open", "half_open"); `None` for a
@@ -219,10 +233,11 @@ class CacheStats:
     write_queue_chunks: int = 0
     """Chunks waiting in write-through queues now."""
     miss_reasons: dict[str, int] = field(default_factory=dict)
-    """Why lookups and loads fell short, by reason: per lookup that missed a chunk,
-    "never_stored", "evicted" or "tier_error" for the chunk after the hit prefix; per load
-    that delivered fewer chunks than the index knew of, "corrupt", "tier_error" or
-    "load_short". See docs/operations.md for what to change for each."""
+    """Why lookups and loads fell short, by reason: per lookup that missed a chunk, for the
+    chunk after the hit prefix, "never_stored", "evicted", "salt_mismatch", "timeout" or
+    "tier_unavailable"; per load that delivered fewer chunks than the index knew of,
+    "corrupt", "layout_mismatch", "timeout", "tier_unavailable" or "load_short". See
+    docs/operations.md for what to change for each."""
     evicted_from: dict[str, int] = field(default_factory=dict)
     """Of the "evicted" misses, per tier that dropped the chunk last (the tier to grow)."""
     events_dropped: int = 0

@@ -95,7 +95,10 @@ class StoreGuard:
                 raise
             except self._errors as exc:
                 self._failed(exc)
-                raise StoreUnavailable(f"{self.where}: {self.describe(exc)}") from exc
+                raise StoreUnavailable(
+                    f"{self.where}: {self.describe(exc)}",
+                    timed_out=isinstance(exc, self._timeouts),
+                ) from exc
             except BaseException:
                 self.breaker.abandon()
                 raise

@@ -48,7 +48,16 @@ async def gather_all(aws: Iterable[Awaitable[_T]]) -> list[_T]:
 
 
 class StoreUnavailable(Exception):
-    """A request was refused by the open breaker, or failed after its retries."""
+    """A request was refused by the open breaker, or failed after its retries.
+
+    Args:
+        message: what failed, without credentials.
+        timed_out: the last attempt got no answer in time.
+    """
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class StoreFull(StoreUnavailable):

@@ -351,7 +351,9 @@ class ObjectStore:
                     or isinstance(exc, PermissionError)
                     or self.breaker.state is not BreakerState.CLOSED
                 ):
-                    raise StoreUnavailable(f"{self.url}: {self.describe(exc)}") from None
+                    raise StoreUnavailable(
+                        f"{self.url}: {self.describe(exc)}", timed_out=isinstance(exc, TimeoutError)
+                    ) from None
                 attempt += 1
                 self.counters.retries += 1
                 delay = min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** (attempt - 1))

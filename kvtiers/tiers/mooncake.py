@@ -165,8 +165,8 @@ class MooncakeTier(Tier):
             if self._store is None:
                 try:
                     await self._guard.call(self._connect)
-                except StoreUnavailable:
-                    self.counters.errors += 1
+                except StoreUnavailable as exc:
+                    self.counters.fail(timed_out=exc.timed_out)
         return self._store
 
     async def _connect(self) -> None:
@@ -204,12 +204,13 @@ class MooncakeTier(Tier):
         check_keys(keys)
         store = await self._client() if keys else None
         if store is None or self._guard.refuses():
+            self.counters.unavailable += bool(keys)
             return [False] * len(keys)
         names = [self._name(key) for key in keys]
         try:
             codes = await self._guard.call(lambda: self._io.batch(store.batch_is_exist, names))
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return [False] * len(keys)
         self.counters.errors += sum(code < 0 for code in codes)
         for key, code in zip(keys, codes, strict=True):
@@ -225,6 +226,7 @@ class MooncakeTier(Tier):
         store = await self._client() if keys else None
         if store is None or self._guard.refuses():
             self.counters.misses += len(keys)
+            self.counters.unavailable += bool(keys)
             return [False] * len(keys)
         per_call = self._per_call
         found = await gather_all(
@@ -260,8 +262,8 @@ class MooncakeTier(Tier):
         """
         try:
             return await self._guard.call(functools.partial(self._read_some, store, keys, dsts))
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return [None] * len(keys)
 
     async def _read_some(
@@ -328,8 +330,8 @@ class MooncakeTier(Tier):
                 await self._guard.call(
                     functools.partial(self._put_some, store, part, sources, held)
                 )
-            except StoreUnavailable:
-                self.counters.errors += 1
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
                 self._guard.counters.dropped_writes += len(keys) - start
                 return
 
@@ -383,8 +385,8 @@ class MooncakeTier(Tier):
             await self._guard.call(
                 lambda: self._io.batch(store.batch_remove, names, True, answers=(NOT_FOUND,))
             )
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
 
     def usage(self) -> TierUsage:
         """Return the capacity and the chunks this process knows to be in the pool."""

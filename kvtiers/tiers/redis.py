@@ -205,8 +205,8 @@ class RedisTier(Tier):
         )
         try:
             await self._guard.call(self._refresh_usage)
-        except StoreUnavailable:  # served as misses until the breaker lets a probe through
-            self.counters.errors += 1
+        except StoreUnavailable as exc:  # served as misses until the breaker lets a probe through
+            self.counters.fail(timed_out=exc.timed_out)
 
     async def _refresh_usage(self) -> None:
         self._num_entries = int(await self._redis.zcard(self._lru))
@@ -227,7 +227,10 @@ class RedisTier(Tier):
         # docstring inherited
         self._ensure_open()
         check_keys(keys)
-        if not keys or self._guard.refuses():
+        if not keys:
+            return []
+        if self._guard.refuses():
+            self.counters.unavailable += 1
             return [False] * len(keys)
 
         async def request() -> list[Any]:
@@ -239,8 +242,8 @@ class RedisTier(Tier):
 
         try:
             *found, count = await self._guard.call(request)
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return [False] * len(keys)
         self._num_entries = int(count)
         return [bool(n) for n in found]
@@ -250,8 +253,11 @@ class RedisTier(Tier):
         self._ensure_open()
         check_keys(keys)
         self._check_buffers(keys, dsts)
-        if not keys or self._guard.refuses():
+        if not keys:
+            return []
+        if self._guard.refuses():
             self.counters.misses += len(keys)
+            self.counters.unavailable += 1
             return [False] * len(keys)
         per_call = self._per_call
         found = await gather_all(
@@ -275,8 +281,8 @@ class RedisTier(Tier):
         """Read one pipeline's worth of keys into `dsts`; `None` where there was no value."""
         try:
             values = await self._guard.call(functools.partial(self._read, keys))
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return [None] * len(keys)
         return [
             None if raw is None else self._values.read_into(key, raw, dst)
@@ -309,8 +315,8 @@ class RedisTier(Tier):
             batch = order[start : start + per_call]
             try:
                 results = await self._guard.call(functools.partial(self._write, batch, sources))
-            except StoreUnavailable:
-                self.counters.errors += 1
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
                 self._guard.counters.dropped_writes += len(order) - start
                 break
             plan.held.update(zip(batch, results, strict=True))
@@ -356,8 +362,8 @@ class RedisTier(Tier):
 
         try:
             *_, count = await self._guard.call(request)
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return
         self._num_entries = int(count)
 

@@ -177,14 +177,17 @@ class RemoteTier(Tier):
         # docstring inherited
         self._ensure_open()
         _check_keys(keys)
-        if not keys or not self._store.available:
+        if not keys:
+            return []
+        if not self._store.available:
+            self.counters.unavailable += 1
             return [False] * len(keys)
         if self._list_for_contains(len(keys)):
             return await self._contains_by_listing(keys)
         infos, late = await self._stragglers.within(
             self._store.read_timeout, [self._info(key) for key in keys], False
         )
-        self.counters.errors += late
+        self.counters.fail(late, timed_out=True)
         now = self.clock()
         for key, info in zip(keys, infos, strict=True):
             if info is None:
@@ -208,8 +211,8 @@ class RemoteTier(Tier):
     async def _contains_by_listing(self, keys: Sequence[ChunkKey]) -> list[bool]:
         try:
             listing = await scan(self._store, self.namespace, logs=False)
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return [False] * len(keys)
         now = self.clock()
         for key in keys:
@@ -224,8 +227,8 @@ class RemoteTier(Tier):
         """Return the object's details, `None` if it is missing, `False` if unknown."""
         try:
             return await self._store.info(object_path(self.namespace, key))
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return False
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
@@ -235,6 +238,7 @@ class RemoteTier(Tier):
         self._check_buffers(keys, dsts)
         if not keys or not self._store.available:
             self.counters.misses += len(keys)
+            self.counters.unavailable += bool(keys)
             return [False] * len(keys)
         deadline = time.monotonic() + self._store.read_timeout
 
@@ -248,7 +252,7 @@ class RemoteTier(Tier):
         found, late = await self._stragglers.as_they_come(
             self._store.read_timeout, [self._fetch(key) for key in keys], judge, _NOT_READ
         )
-        self.counters.errors += late
+        self.counters.fail(late, timed_out=True)
         hits = [verdict is Verdict.OK for verdict, _ in found]
         await self._after_read(keys, found, deadline)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
@@ -272,8 +276,8 @@ class RemoteTier(Tier):
                 raw = None if read is None else read[0].data[: read[1]]
             else:
                 raw = await self._store.cat(path, self.value_bytes + 1)
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return None
         if raw is None:
             self._catalog.remove(key)
@@ -374,8 +378,8 @@ class RemoteTier(Tier):
 
             try:
                 await self._store.write(object_path(self.namespace, key), value, stored)
-            except StoreUnavailable:
-                self.counters.errors += 1
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
                 self._store.counters.dropped_writes += 1
                 return False
             return True
@@ -405,8 +409,8 @@ class RemoteTier(Tier):
     async def _delete_one(self, key: bytes) -> bool:
         try:
             await self._store.rm(object_path(self.namespace, key))
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
             return False
         self._log.forget([key])
         return self._catalog.remove(key)
@@ -445,12 +449,13 @@ class RemoteTier(Tier):
         plan = LayerPlan.make(layers, self.layout, self._header_len)
         if not keys or not self._store.available:
             self.counters.misses += len(keys)
+            self.counters.unavailable += bool(keys)
             return [False] * len(keys)
         deadline = time.monotonic() + self._store.read_timeout
         got, late = await self._stragglers.within(
             self._store.read_timeout, [self._read_layers(key, plan) for key in keys], None
         )
-        self.counters.errors += late
+        self.counters.fail(late, timed_out=True)
         found = await gather_all(
             self._deliver_layers(k, g, plan, d) for k, g, d in zip(keys, got, dsts, strict=True)
         )
@@ -473,8 +478,8 @@ class RemoteTier(Tier):
                 parts = await self._store.cat_ranges(
                     object_path(self.namespace, key), list(plan.ranges)
                 )
-            except StoreUnavailable:
-                self.counters.errors += 1
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
                 return None
             if parts is None:
                 self._catalog.remove(key)
@@ -559,8 +564,8 @@ class RemoteTier(Tier):
     async def _rm_quietly(self, path: str) -> None:
         try:
             await self._store.rm(path)
-        except StoreUnavailable:
-            self.counters.errors += 1
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
 
     def _log_path(self) -> str:
         return f"{self.namespace}/{ACCESS_DIR}/{self._writer_id}"
