@@ -66,6 +66,7 @@ class Mover(WriteQueues):
         if num_chunks < len(keys):
             reason = _fault_reason(before, self._faults())
             if reason is None:
+                self.reap()  # so that a tier's own eviction counts as "evicted"
                 reason = self._absence_reason(keys[num_chunks], num_chunks == 0, other_salt)
             self.miss_reasons[reason] += 1
         return num_chunks

@@ -98,6 +98,7 @@ class Residency:
         # Index bits of tiers whose residency the index knows exactly (the cache evicts them).
         self._local_bits = sum(1 << s.idx for s in slots if not s.tier.shared)
         self._through = [s for s in slots[1:] if s.config.write_policy == "write_through"]
+        self._self_evicting = [s for s in slots if s.tier.manages_eviction]
         self._pending: Counter[ChunkKey] = Counter()
         self._evicting: set[ChunkKey] = set()
         self._stages = StagePool(layout.chunk_bytes)
@@ -139,6 +140,8 @@ class Residency:
         if isinstance(slot.tier, BlockTier):
             await self._make_room(slot, len(keys), protect=set(keys))
         flags = await self._call(slot, "put", slot.tier.put(keys, srcs), [False] * len(keys))
+        if slot.tier.manages_eviction:
+            self._reap_slot(slot)
         if slot.policy is not None:
             for key, flag in zip(reversed(keys), reversed(flags), strict=True):
                 if flag:
@@ -238,6 +241,15 @@ class Residency:
             return default
         finally:
             slot.tier.counters.observe(name, time.perf_counter() - start)
+
+    def reap(self) -> None:
+        """Drop the residencies that tiers evicting by themselves removed (see `_drop`)."""
+        for slot in self._self_evicting:
+            self._reap_slot(slot)
+
+    def _reap_slot(self, slot: Slot) -> None:
+        for key in slot.tier.take_evicted():
+            self._drop(slot, key)
 
     def _stored(self, slot: Slot, key: ChunkKey) -> None:
         """Report that `key` became resident in `slot` (when events are on)."""

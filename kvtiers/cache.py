@@ -481,12 +481,16 @@ class TieredCache:
         A `ChunkStored` says a chunk became resident in a tier (placed in the top tier,
         promoted, demoted, written through, or placed below when the top tier was full); a
         `ChunkRemoved` says the cache evicted or dropped one (evicted from a memory tier, a
-        stale hint discarded, an entry found corrupt or missing on load). Tiers that evict
-        by themselves (lmdb, remote) do not tell the cache: their removals are reported only
-        when the cache next finds the chunk missing. Empty when the config's `events` is 0;
+        stale hint discarded, an entry found corrupt or missing on load), or that a tier
+        evicting by itself (lmdb, remote) removed one this cache had placed there (by
+        capacity or expiry; what other processes sharing the tier remove shows only when
+        the cache next finds the chunk missing). Empty when the config's `events` is 0;
         when the queue is full the oldest events are dropped (`CacheStats.events_dropped`).
         """
-        return self._events.drain() if self._events is not None else []
+        if self._events is None:
+            return []
+        self._mover.reap()
+        return self._events.drain()
 
     def stats(self) -> CacheStats:
         """Return a snapshot of the cache's and every tier's counters."""

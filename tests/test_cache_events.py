@@ -63,6 +63,21 @@ async def test_store_then_eviction_events_in_order(tmp_path, layout):
         assert all(e.tier == "dram" for e in promoted)
 
 
+async def test_lmdb_eviction_of_its_own_is_an_event_and_an_evicted_miss(tmp_path, layout):
+    cfg = {**make_config(tmp_path, dram_chunks=4, lmdb_chunks=6), "events": 100}
+    async with TieredCache.from_config(cfg) as cache:
+        first = cache.keys(tokens_of(0))
+        for conv in range(3):  # 4 chunks each: lmdb (6 chunks) evicts conv 0's
+            await cache.store(tokens_of(conv), make_kv(layout, 64, seed=conv))
+            await cache.flush()
+        removed = [e for e in cache.take_events() if isinstance(e, ChunkRemoved)]
+        assert {e.key for e in removed if e.tier == "lmdb"} >= set(first[2:])
+        assert await cache.lookup(tokens_of(0)) < 64
+        stats = cache.stats()
+        assert stats.miss_reasons == {"evicted": 1}
+        assert stats.evicted_from == {"lmdb": 1}
+
+
 async def test_full_event_queue_counts_drops(layout):
     cfg = {**make_config(dram_chunks=32), "events": 3}
     async with TieredCache.from_config(cfg) as cache:

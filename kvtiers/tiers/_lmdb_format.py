@@ -102,7 +102,7 @@ class Writer:
         self.txn, self.dbs, self.capacity = txn, dbs, capacity
         self.used = _read_u64(txn, dbs, _USED)  # bytes of stored values
         self.next_seq = _read_u64(txn, dbs, _NEXT_SEQ)
-        self.evicted = 0  # entries evicted in this transaction
+        self.evicted: list[bytes] = []  # keys evicted in this transaction
 
     def save(self) -> None:
         self.txn.put(_USED, _U64.pack(self.used), db=self.dbs.meta)
@@ -190,5 +190,4 @@ class Writer:
                 if key not in keep:
                     victims.append(key)
                     freed += self.size(key) or 0
-        for key in victims:
-            self.evicted += self.remove(key)
+        self.evicted += [key for key in victims if self.remove(key)]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +26,9 @@ Buffer = npt.NDArray[np.uint8]
 Its C-order element sequence is the payload (`[layer][k|v][token][head][dim]`), so a strided
 view of a caller's KV tensor is a valid destination or source and saves a copy.
 """
+
+
+_EVICTED_KEPT = 65_536  # keys a tier remembers having evicted until the cache takes them
 
 
 def check_option_keys(config: TierConfig, kind: str, allowed: Iterable[str]) -> None:
@@ -76,6 +80,9 @@ class Tier(ABC):
         self.capacity_bytes = config.capacity_bytes
         self.counters = TierCounters()
         self._state = TierState.UNOPENED
+        # NOTE: a bounded deque, appended to by writer threads and drained on the loop
+        # (deque appends and pops are atomic).
+        self._evicted_keys: deque[bytes] = deque(maxlen=_EVICTED_KEPT)
         if self.manages_eviction and config.eviction != "lru":
             raise ConfigError(
                 f"{config.where}.eviction: the {self.kind} tier evicts least-recently-used by "
@@ -162,6 +169,22 @@ class Tier(ABC):
     @abstractmethod
     def usage(self) -> TierUsage:
         """Return the tier's capacity and what it holds now."""
+
+    def take_evicted(self) -> list[ChunkKey]:
+        """Return, and forget, the keys the tier evicted by itself since the last call.
+
+        Only tiers that evict by themselves (`manages_eviction`) report any, and only what
+        this process's instance removed (by capacity or expiry); what other processes
+        remove from a shared tier is not seen. Past 65,536 keys the oldest are forgotten.
+        """
+        taken: list[bytes] = []
+        while self._evicted_keys:
+            taken.append(self._evicted_keys.popleft())
+        return cast("list[ChunkKey]", taken)
+
+    def _note_evicted(self, keys: Iterable[bytes]) -> None:
+        """Remember keys the tier evicted by itself, for `take_evicted` (any thread)."""
+        self._evicted_keys.extend(keys)
 
     def store_health(self) -> StoreHealth | None:
         """Return the breaker state and request counters of the tier's remote store.

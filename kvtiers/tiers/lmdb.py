@@ -287,7 +287,8 @@ class LMDBTier(Tier):
         if not committed:
             return None
         with self._lock:
-            self.counters.evictions += writer.evicted
+            self.counters.evictions += len(writer.evicted)
+        self._note_evicted(writer.evicted)
         return result
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:

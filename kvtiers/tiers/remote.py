@@ -317,7 +317,7 @@ class RemoteTier(Tier):
         self._log.record(hit_keys, now)
         if bad:
             budget = max(0.0, deadline - time.monotonic())
-            await self._stragglers.within(budget, [self._delete_objects(bad)], 0)
+            await self._stragglers.within(budget, [self._delete_objects(bad)], [])
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -354,7 +354,7 @@ class RemoteTier(Tier):
             held += size
         need = len(new) * self.value_bytes
         victims = self._catalog.victims(need, self.capacity_bytes, keep=set(srcs_by_key))
-        self.counters.evictions += await self._delete_objects(victims)
+        await self._evict(victims)
         while new and self._catalog.used_bytes + len(new) * self.value_bytes > self.capacity_bytes:
             new.pop()  # what is left is held by this batch or could not be deleted
         now = self.clock()
@@ -401,10 +401,16 @@ class RemoteTier(Tier):
         if keys:
             await self._delete_objects(keys)
 
-    async def _delete_objects(self, keys: Sequence[bytes]) -> int:
-        """Delete the objects of `keys`; return how many the catalog held."""
-        done = await gather_all(self._delete_one(key) for key in keys)
-        return sum(done)
+    async def _delete_objects(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete the objects of `keys`; return, for each, whether the catalog held it."""
+        return await gather_all(self._delete_one(key) for key in keys)
+
+    async def _evict(self, victims: Sequence[bytes]) -> None:
+        """Delete `victims` to make room, counting and remembering those that went."""
+        done = await self._delete_objects(victims)
+        gone = [key for key, ok in zip(victims, done, strict=True) if ok]
+        self.counters.evictions += len(gone)
+        self._note_evicted(gone)
 
     async def _delete_one(self, key: bytes) -> bool:
         try:
@@ -544,11 +550,12 @@ class RemoteTier(Tier):
         doomed = self._doomed(listing, now)
         if doomed:
             await gather_all(self._rm_quietly(path) for path in doomed)
-            self.counters.evictions += sum(o.path in doomed for o in listing.objects.values())
+            expired = [o.key for o in listing.objects.values() if o.path in doomed]
+            self.counters.evictions += len(expired)
+            self._note_evicted(expired)
+            self._log.forget(expired)
         self._catalog.reset(o for o in listing.objects.values() if o.path not in doomed)
-        self._log.forget(o.key for o in listing.objects.values() if o.path in doomed)
-        victims = self._catalog.victims(0, self.capacity_bytes, keep=set())
-        self.counters.evictions += await self._delete_objects(victims)
+        await self._evict(self._catalog.victims(0, self.capacity_bytes, keep=set()))
 
     def _doomed(self, listing: Listing, now: float) -> set[str]:
         """Return the paths a scan deletes: expired objects, stale temporaries and logs."""

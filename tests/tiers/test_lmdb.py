@@ -221,6 +221,8 @@ async def test_eviction_takes_the_deepest_chunks_of_the_oldest_chain(tmp_path: P
         assert await tier.contains(new) == [True, True]
         assert tier.counters.evictions == 2
         assert tier.usage().num_entries == 4
+        assert sorted(tier.take_evicted()) == sorted(old[2:])  # reported once
+        assert tier.take_evicted() == []
 
 
 @pytest.mark.parametrize("read_old", [False, True])

@@ -301,6 +301,8 @@ async def test_eviction_takes_the_least_recently_read() -> None:
         assert await tier.contains([*a, *b, *c]) == [True, True, False, False, True, True]
         assert tier.counters.evictions == 2
         assert tier.usage().used_bytes == 4 * VALUE_BYTES
+        assert sorted(tier.take_evicted()) == sorted(b)  # reported once
+        assert tier.take_evicted() == []
 
 
 async def test_one_batch_over_capacity_keeps_the_prefix() -> None:
@@ -332,6 +334,7 @@ async def test_scan_learns_other_writers_and_evicts_over_capacity() -> None:
         await one.scan_now()
         assert one.usage().num_entries == 6
         assert one.counters.evictions == 2
+        assert len(one.take_evicted()) == 2
         assert sum(await two.contains(keys(4, seed=1))) + sum(await two.contains(keys(4))) == 6
 
 
@@ -358,6 +361,7 @@ async def test_ttl_expires_idle_objects_and_reads_renew_them() -> None:
         await tier.scan_now()
         assert await tier.contains([*old, *read]) == [False, False, True, True]
         assert tier.usage().num_entries == 4
+        assert sorted(tier.take_evicted()) == sorted(old)  # expired
 
 
 async def test_scan_deletes_stale_temporaries(tmp_path: Path) -> None:
