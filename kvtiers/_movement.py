@@ -222,6 +222,8 @@ class Mover(WriteQueues):
                 await sink.deliver(hits, [view for view in views if view is not None])
         for i in hits:
             done[i] = True
+        if hits:
+            self._retry_failed([keys[i] for i in hits])
         counters = top.tier.counters
         counters.hits += len(hits)
         counters.misses += len(keys) - len(hits)
@@ -260,6 +262,11 @@ class Mover(WriteQueues):
                     await sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
             self._record_inserts(top, keys, [todo[j] for j in hit])
             top.tier.counters.promotions += len(hit)
+            # Write-through tiers above the source receive what it promoted (an lmdb
+            # tier between the top and a remote pool becomes the node's copy of it).
+            above = [s for s in self._through if s.idx < slot.idx]
+            if above and hit:
+                self._queue_copies(above, [todo_keys[j] for j in hit])
             found = promoted + rest_found
         for i, flag in zip(todo, found, strict=True):
             if flag:

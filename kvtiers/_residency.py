@@ -64,6 +64,9 @@ class Slot:
     """Write-through queue of chunk keys (`None` ends the writer)."""
     queued: set[ChunkKey] = field(default_factory=set)
     """Keys in the write-through queue or being written, so a key is queued once."""
+    failed: dict[ChunkKey, None] = field(default_factory=dict)
+    """Keys whose write-through copy failed because the tier or its store did (oldest
+    first, bounded): a later hit in the top tier queues them again."""
 
 
 class Residency:

@@ -14,6 +14,7 @@ __all__ = ["WriteQueues"]
 logger = logging.getLogger("kvtiers")
 
 _WRITE_BATCH = 64  # chunks a writer takes from its queue per tier call
+_FAILED_KEPT = 65_536  # keys per tier whose failed copy a later hit may queue again
 
 
 class WriteQueues(Residency):
@@ -75,6 +76,45 @@ class WriteQueues(Residency):
                 slot.queued.discard(key)
                 self._release_pending(key)
 
+    def _queue_copies(self, slots: Sequence[Slot], keys: Sequence[ChunkKey]) -> None:
+        """Queue copies of top-tier `keys` for the write-through `slots`, without waiting.
+
+        Keys a slot holds or has queued, and keys no longer in the top tier, are skipped;
+        so is the rest once a queue is full (a later hit may queue them).
+        """
+        for slot in slots:
+            queue, bit = slot.queue, 1 << slot.idx
+            if queue is None:
+                continue
+            for key in keys:
+                if queue.full():
+                    break
+                mask = self._index.tiers_of(key)
+                if mask & bit or not mask & 1 or key in slot.queued:
+                    continue
+                slot.queued.add(key)
+                slot.failed.pop(key, None)
+                self._pending[key] += 1
+                queue.put_nowait(key)
+
+    def _retry_failed(self, keys: Sequence[ChunkKey]) -> None:
+        """Queue again the failed copies among top-tier hits `keys`.
+
+        While the store is still failing, its breaker refuses the retry at once (and the
+        key stays remembered); after the cool-down the retry is the breaker's probe.
+        """
+        for slot in self._through:
+            if slot.failed:
+                self._queue_copies([slot], [key for key in keys if key in slot.failed])
+
+    def _remember_failed(self, slot: Slot, keys: Sequence[ChunkKey]) -> None:
+        failed = slot.failed
+        for key in keys:
+            failed.pop(key, None)
+            failed[key] = None
+        while len(failed) > _FAILED_KEPT:
+            del failed[next(iter(failed))]
+
     async def _writer(self, slot: Slot) -> None:
         queue = slot.queue
         assert queue is not None and self._memtop is not None
@@ -85,12 +125,16 @@ class WriteQueues(Residency):
             keys = [key for key in batch if key is not None]
             try:
                 if keys:
+                    failures = _failures(slot)
                     async with self._memtop.pinned(keys) as views:
                         held = [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
                         flags = await self._put(slot, [k for k, _ in held], [v for _, v in held])
                     for (key, _), flag in zip(held, flags, strict=True):
                         if flag and self._index.mark(key, slot.idx):
                             self._stored(slot, key)
+                    if _failures(slot) != failures:  # failed, not declined for want of room
+                        lost = [k for (k, _), f in zip(held, flags, strict=True) if not f]
+                        self._remember_failed(slot, lost)
             except Exception:  # a writer must outlive any one failed batch
                 logger.exception("kvtiers: write-through to %s failed", slot.tier.name)
                 slot.tier.counters.errors += len(keys)
@@ -102,3 +146,9 @@ class WriteQueues(Residency):
                     queue.task_done()
             if batch[-1] is None:
                 return
+
+
+def _failures(slot: Slot) -> int:
+    """Return the tier's failed requests so far (errors and calls its breaker refused)."""
+    counters = slot.tier.counters
+    return counters.errors + counters.unavailable

@@ -43,6 +43,23 @@ def file_url(tmp_path: Path) -> str:
 # -- pooling ---------------------------------------------------------------------------------
 
 
+async def test_chunks_promoted_from_the_remote_fill_the_lmdb_tier_above(tmp_path, layout):
+    def node(name: str) -> dict[str, Any]:
+        lmdb = {"kind": "lmdb", "path": str(tmp_path / name), "capacity": "4MiB"}
+        return config(lmdb, remote_tier(file_url(tmp_path)), dram_chunks=8)
+
+    kv = make_kv(layout, 64)
+    async with TieredCache.from_config(node("a")) as cache:
+        await cache.store(TOKENS, kv)
+    async with TieredCache.from_config(node("b")) as other:  # another node, empty lmdb
+        assert same_bytes(await other.load(TOKENS), kv)
+        await other.flush()
+        assert await other.tiers[1].contains(other.keys(TOKENS)) == [True] * 4
+    lmdb_only = {"layout": dict(SMALL_LAYOUT), "tiers": [node("b")["tiers"][1]]}
+    async with TieredCache.from_config(lmdb_only) as local:  # the node's own copy now
+        assert same_bytes(await local.load(TOKENS), kv)
+
+
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 async def test_a_fresh_cache_loads_what_another_stored(tmp_path, layout, write_policy):
     cfg = config(remote_tier(file_url(tmp_path), write_policy=write_policy), dram_chunks=4)

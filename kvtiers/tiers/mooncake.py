@@ -325,6 +325,7 @@ class MooncakeTier(Tier):
             store = await self._client()
             if store is None or self._guard.refuses():
                 self._guard.counters.dropped_writes += len(keys) - start
+                self.counters.unavailable += 1
                 return
             try:
                 await self._guard.call(

@@ -332,6 +332,7 @@ class RemoteTier(Tier):
             if not self._store.available:
                 self._store.counters.dropped_writes += len(keys)
                 self.counters.declined += len(keys)
+                self.counters.unavailable += 1
                 return [False] * len(keys)
             return await self._put_batch(keys, srcs)
 

@@ -243,6 +243,26 @@ async def test_follow_ups_start_as_requests_arrive_and_end_before_the_call_retur
         task.cancel()
 
 
+async def test_copies_that_failed_in_an_outage_are_written_on_a_later_hit() -> None:
+    cfg = _config(f"faulty://pool/{uuid.uuid4().hex[:8]}", breaker_failures=2)
+    cfg["tiers"][1]["breaker_cooldown"] = 0.2
+    tokens, kv = _conversations(1)[0]
+    async with TieredCache.from_config(cfg) as cache:
+        faulty.ACTIVE = faulty.Faults(error_rate=1.0)
+        await cache.store(tokens, kv)  # held in DRAM; its copies to the store fail
+        await cache.flush()
+        keys = cache.keys(tokens)
+        faulty.ACTIVE.off()
+        assert await cache.tiers[1].contains(keys) == [False] * 4
+        await asyncio.sleep(0.3)  # the breaker's cool-down
+        for _ in range(2):  # the first retry is the breaker's one probe, the rest wait
+            assert same_bytes(await cache.load(tokens), kv)  # DRAM hits queue them again
+            await cache.flush()
+        assert await cache.tiers[1].contains(keys) == [True] * 4
+    async with TieredCache.from_config(cfg) as fresh:  # the store has them for everyone
+        assert same_bytes(await fresh.load(tokens), kv)
+
+
 async def test_breaker_state_is_reported_while_the_store_fails_and_after() -> None:
     cfg = _config(f"faulty://pool/{uuid.uuid4().hex[:8]}", breaker_failures=2)
     cfg["tiers"][1]["breaker_cooldown"] = 0.2
