@@ -145,20 +145,35 @@ async def test_isolation_on_a_shared_path(tmp_path, layout, change):
         assert (await cache.load(tokens, salt=salt)).shape[2] == 0
 
 
-async def test_corrupt_lmdb_value_is_a_counted_miss(tmp_path, layout):
+async def _store_then_rewrite(tmp_path, layout, chunk_idx, edit):
+    """Store 64 tokens through dram and lmdb, then replace one chunk's lmdb value."""
     cfg = make_config(tmp_path, lmdb_chunks=100)
     tokens = list(range(64))
     kv = make_kv(layout, 64)
     async with TieredCache.from_config(cfg) as cache:
         await cache.store(tokens, kv)
-        victim = cache.keys(tokens)[2]
+        victim = cache.keys(tokens)[chunk_idx]
     env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8, subdir=True)
     db = env.open_db(b"chunks")
     with env.begin(write=True, db=db) as txn:
-        value = bytearray(txn.get(victim))
-        value[-10] ^= 0xFF  # a payload byte
-        txn.put(victim, bytes(value))
+        txn.put(victim, edit(bytes(txn.get(victim)), victim, kv))
     env.close()
+    return cfg, tokens, kv
+
+
+def _flip_payload_byte(value, key, kv):
+    data = bytearray(value)
+    data[-10] ^= 0xFF
+    return bytes(data)
+
+
+def _another_layouts_value(value, key, kv):
+    other = small_layout(model="another-model").fingerprint
+    return pack_value(other, key, kv[:, :, 16:32].contiguous().view(-1).numpy().data)
+
+
+async def test_corrupt_lmdb_value_is_a_counted_miss(tmp_path, layout):
+    cfg, tokens, kv = await _store_then_rewrite(tmp_path, layout, 2, _flip_payload_byte)
     async with TieredCache.from_config(cfg) as cache:
         assert await cache.lookup(tokens) == 64  # contains() does not read payloads
         got = await cache.load(tokens)
@@ -170,19 +185,7 @@ async def test_corrupt_lmdb_value_is_a_counted_miss(tmp_path, layout):
 
 
 async def test_entry_of_another_layout_is_a_layout_mismatch_miss(tmp_path, layout):
-    cfg = make_config(tmp_path, lmdb_chunks=100)
-    tokens = list(range(64))
-    kv = make_kv(layout, 64)
-    async with TieredCache.from_config(cfg) as cache:
-        await cache.store(tokens, kv)
-        victim = cache.keys(tokens)[1]
-    other = small_layout(model="another-model").fingerprint
-    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8, subdir=True)
-    db = env.open_db(b"chunks")
-    with env.begin(write=True, db=db) as txn:  # another layout's value under the key
-        value = pack_value(other, victim, kv[:, :, 16:32].contiguous().view(-1).numpy().data)
-        txn.put(victim, value)
-    env.close()
+    cfg, tokens, kv = await _store_then_rewrite(tmp_path, layout, 1, _another_layouts_value)
     async with TieredCache.from_config(cfg) as cache:
         assert await cache.lookup(tokens) == 64  # contains() does not read headers
         got = await cache.load(tokens)
