@@ -26,7 +26,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from fsspec.core import split_protocol, url_to_fs
 
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers._files import write_renamed
+from kvtiers.tiers._readahead import will_need
 from kvtiers.tiers._remote_breaker import (
     BreakerState,
     CircuitBreaker,
@@ -216,15 +217,18 @@ class ObjectStore:
         return self.protocol in ("file", "local")
 
     async def read_into(
-        self, path: str, take: Callable[[], npt.NDArray[np.uint8]]
+        self, path: str, take: Callable[[], npt.NDArray[np.uint8]], ahead: Sequence[str] = ()
     ) -> tuple[npt.NDArray[np.uint8], int] | None:
         """Read the object at `path` into a buffer from `take`; the buffer and bytes read.
 
         Each attempt takes its own buffer, so a timed-out attempt that goes on reading
         never writes into the buffer of a later one. `None` if there is no such object.
+        The objects at `ahead` are hinted to the kernel first (`_readahead.will_need`).
         """
         try:
-            result: tuple[npt.NDArray[np.uint8], int] = await self._request(_read_into, path, take)
+            result: tuple[npt.NDArray[np.uint8], int] = await self._request(
+                _read_into, path, take, ahead
+            )
         except FileNotFoundError:
             return None
         return result
@@ -430,9 +434,11 @@ class ObjectStore:
 
 
 def _read_into(
-    fs: Any, path: str, take: Callable[[], npt.NDArray[np.uint8]]
+    fs: Any, path: str, take: Callable[[], npt.NDArray[np.uint8]], ahead: Sequence[str]
 ) -> tuple[npt.NDArray[np.uint8], int]:
     """Read the object at `path` into a buffer from `take`, up to its size (sync fs)."""
+    if ahead:
+        will_need(ahead)
     buf = take()
     view, got = buf.data, 0
     with fs.open(path, "rb") as f:

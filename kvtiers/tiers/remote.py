@@ -52,6 +52,7 @@ from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._read_buffers import ReadBuffers
+from kvtiers.tiers._readahead import HINT_AHEAD, HINT_MIN_BYTES, ahead_of
 from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all, health_of
 from kvtiers.tiers._remote_catalog import (
     ACCESS_DIR,
@@ -249,8 +250,18 @@ class RemoteTier(Tier):
             return found
 
         # Each object is verified and copied as it arrives, while the others are in flight.
+        paths = [object_path(self.namespace, key) for key in keys]
+        hint = (
+            self._store.reads_into
+            and self.value_bytes >= HINT_MIN_BYTES
+            and self.options.max_in_flight < HINT_AHEAD
+        )
+        fetches = [
+            self._fetch(key, path, ahead_of(paths, i) if hint else ())
+            for i, (key, path) in enumerate(zip(keys, paths, strict=True))
+        ]
         found, late = await self._stragglers.as_they_come(
-            self._store.read_timeout, [self._fetch(key) for key in keys], judge, _NOT_READ
+            self._store.read_timeout, fetches, judge, _NOT_READ
         )
         self.counters.fail(late, timed_out=True)
         hits = [verdict is Verdict.OK for verdict, _ in found]
@@ -266,13 +277,16 @@ class RemoteTier(Tier):
             return None, 0
         return await self._offload(self._check_and_copy, key, raw, dst), len(raw)
 
-    async def _fetch(self, key: ChunkKey) -> bytes | memoryview | None:
-        path = object_path(self.namespace, key)
+    async def _fetch(
+        self, key: ChunkKey, path: str | None = None, ahead: Sequence[str] = ()
+    ) -> bytes | memoryview | None:
+        """Read one object whole (`ahead`: local objects to hint to the kernel first)."""
+        path = path or object_path(self.namespace, key)
         raw: bytes | memoryview | None
         try:
             # NOTE: one byte more than a valid object holds, so a longer one shows as such.
             if self._store.reads_into:
-                read = await self._store.read_into(path, self._buffers.take)
+                read = await self._store.read_into(path, self._buffers.take, ahead)
                 raw = None if read is None else read[0].data[: read[1]]
             else:
                 raw = await self._store.cat(path, self.value_bytes + 1)
