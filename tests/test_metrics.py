@@ -197,3 +197,88 @@ def test_latency_quantiles_are_bucket_bounds():
     assert snap.quantile(0.8) == 0.005
     assert snap.quantile(1.0) == float("inf")
     assert len(snap.counts) == len(LATENCY_BUCKETS) + 1
+
+
+# -- every miss reason, as Prometheus sees it ---------------------------------------------------
+
+
+def _remote_config(**remote):
+    cfg = metrics_config(dram_chunks=8)
+    tier = {"kind": "remote", "capacity": "8MiB", "url": f"faulty://m/{uuid.uuid4().hex[:8]}"}
+    cfg["tiers"].append({**tier, "timeout": 0.2, "retries": 0, **remote})
+    return cfg
+
+
+async def _through_faulty_store(layout, faults, **remote):
+    """Store one prompt in the store only, then look it up from a fresh cache under `faults`."""
+    from tests.reliability import _faulty_fs as faulty
+
+    faulty.register()
+    cfg = _remote_config(**remote)
+    tokens = list(range(64))
+    plain = {key: value for key, value in cfg.items() if key != "metrics"}
+    async with TieredCache.from_config(plain) as writer:
+        await writer.store(tokens, make_kv(layout, 64))
+    faulty.ACTIVE = faults
+    try:
+        async with TieredCache.from_config(cfg) as cache:
+            assert await cache.lookup(tokens) == 0
+            return await asyncio.to_thread(scrape, cache.metrics_url)
+    finally:
+        faulty.ACTIVE = faulty.Faults()
+
+
+async def _scenario(reason, tmp_path, layout):
+    from tests.reliability import _faulty_fs as faulty
+    from tests.test_cache_lmdb import (
+        _another_layouts_value,
+        _flip_payload_byte,
+        _store_then_rewrite,
+    )
+
+    kv, tokens = make_kv(layout, 64), list(range(64))
+    if reason in ("corrupt", "layout_mismatch"):
+        edit = _flip_payload_byte if reason == "corrupt" else _another_layouts_value
+        cfg, tokens, _ = await _store_then_rewrite(tmp_path, layout, 2, edit)
+        async with TieredCache.from_config({**cfg, "metrics": {"port": 0}}) as cache:
+            assert await cache.lookup(tokens) == 64
+            assert (await cache.load(tokens)).shape[2] < 64
+            return await asyncio.to_thread(scrape, cache.metrics_url)
+    if reason == "timeout":
+        return await _through_faulty_store(layout, faulty.Faults(slow_rate=1.0, delay=0.6))
+    if reason == "tier_unavailable":
+        return await _through_faulty_store(layout, faulty.Faults(error_rate=1.0))
+    async with TieredCache.from_config(metrics_config(dram_chunks=4)) as cache:
+        if reason == "salt_mismatch":
+            await cache.store(tokens, kv, salt="a")
+            assert await cache.lookup(tokens, salt="b") == 0
+        elif reason == "load_short":
+            await cache.store(tokens, kv)
+            assert await cache.lookup(tokens) == 64
+            await cache.tiers[0].delete(cache.keys(tokens)[2:3])  # gone before the load
+            assert (await cache.load(tokens)).shape[2] == 32
+        else:
+            assert await cache.lookup(tokens) == 0
+        return await asyncio.to_thread(scrape, cache.metrics_url)
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "never_stored",
+        "salt_mismatch",
+        "load_short",
+        "corrupt",
+        "layout_mismatch",
+        "timeout",
+        "tier_unavailable",
+    ],
+)
+async def test_each_miss_reason_is_counted_once_in_the_scrape(tmp_path, layout, reason):
+    got = await _scenario(reason, tmp_path, layout)
+    reasons = {
+        dict(labels)["reason"]: value
+        for (name, labels), value in got.items()
+        if name == "kvtiers_misses_total"
+    }
+    assert reasons == {reason: 1}
