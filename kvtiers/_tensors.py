@@ -54,7 +54,7 @@ def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:
     last axis is contiguous. Chunk copies through it skip per-chunk tensor wrapping, and a
     tier can read straight into it.
     """
-    if tensor.device.type != "cpu" or tensor.requires_grad or tensor.stride(-1) != 1:
+    if not tensor.is_cpu or tensor.requires_grad or tensor.stride(-1) != 1:
         return None
     try:
         return tensor.view(torch.uint8).numpy()
