@@ -138,6 +138,8 @@ class _KVTiersSide:
             "dtype": "bfloat16", "chunk_size": CHUNK_TOKENS,
         }  # fmt: skip
         tier = {"kind": "lmdb", "path": str(root), "capacity": 2 * total, "read_threads": 4}
+        if os.environ.get(WRITEMAP_VAR) == "1":
+            tier["writemap"] = True
         self.config = {"layout": layout, "tiers": [tier]}
         self.root = root
         self.cache: Any = None
@@ -162,6 +164,9 @@ class _KVTiersSide:
 
     def files(self) -> list[Path]:
         return [p for p in self.root.iterdir() if p.is_file()]
+
+
+WRITEMAP_VAR = "KVTIERS_BENCH_WRITEMAP"  # "1": the lmdb tier takes `writemap = true`
 
 
 def _log(msg: str) -> None:

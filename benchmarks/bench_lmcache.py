@@ -37,7 +37,8 @@ Needs LMCache's own virtualenv (`.venv-lmcache`; `python -m benchmarks.bench_lmc
 --setup` builds it: a few minutes, 1.9 GB); the measuring runs there, as a subprocess, and
 this process prints the report. Without it, `run` skips with the reason on stderr.
 
-Run: `python -m benchmarks.bench_lmcache [--quick]`.
+Run: `python -m benchmarks.bench_lmcache [--quick]`; with `KVTIERS_BENCH_WRITEMAP=1` in the
+environment, kvtiers' lmdb tier takes `writemap = true`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ byte, and no `..` segment that could climb out of the folder a relative path nam
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 from typing import Any
@@ -18,6 +19,7 @@ from kvtiers.core.errors import ConfigError
 __all__ = [
     "DIR_MODE",
     "FILE_MODE",
+    "allocate_whole",
     "check_path",
     "make_private_dirs",
     "write_renamed",
@@ -48,6 +50,29 @@ def check_path(path: str, where: str) -> str:
             f"got {path!r:.200}"
         )
     return path
+
+
+def allocate_whole(path: str, size: int) -> None:
+    """Give the file at `path` its first `size` bytes of disk now (a sparse file's holes).
+
+    A write into a memory-mapped hole that the disk cannot back is a SIGBUS, not an error;
+    once allocated, such a write needs no new blocks. Nothing happens where the platform or
+    filesystem cannot allocate ahead.
+
+    Raises:
+        OSError: the disk has no room for it (ENOSPC), or another failure.
+    """
+    allocate = getattr(os, "posix_fallocate", None)
+    if allocate is None:
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        allocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    finally:
+        os.close(fd)
 
 
 def make_private_dirs(path: str) -> None:

@@ -23,6 +23,7 @@ from kvtiers.tiers._chunk_format import (
     Verdict,
     check_value,
     pack_value,
+    pack_value_into,
     value_bytes,
 )
 
@@ -30,13 +31,16 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "Databases",
+    "ModeMismatch",
     "Verdict",
     "Writer",
     "check_value",
+    "check_writemap",
     "default_map_size",
     "map_capacity",
     "open_databases",
     "pack_value",
+    "pack_value_into",
     "read_used_bytes",
     "value_bytes",
 ]
@@ -80,6 +84,37 @@ class Databases(NamedTuple):
 def open_databases(env: lmdb.Environment) -> Databases:
     """Open (creating if missing) the named databases of `env`."""
     return Databases(*(env.open_db(name.encode()) for name in Databases._fields))
+
+
+class ModeMismatch(Exception):
+    """The environment was created with another `writemap` setting than asked for."""
+
+
+_WRITEMAP = b"writemap"
+
+
+def check_writemap(env: lmdb.Environment, dbs: Databases, writemap: bool) -> None:
+    """Record the environment's `writemap` setting on first use; refuse another later.
+
+    LMDB forbids processes with and without `MDB_WRITEMAP` on one environment.
+
+    Raises:
+        ModeMismatch: the environment records the other setting.
+    """
+    want = b"1" if writemap else b"0"
+    with env.begin(db=dbs.meta) as txn:
+        have = txn.get(_WRITEMAP)
+    if have is None:
+        with env.begin(write=True, db=dbs.meta) as txn:
+            have = txn.get(_WRITEMAP)
+            if have is None:
+                txn.put(_WRITEMAP, want)
+                return
+    if bytes(have) != want:
+        was = "true" if bytes(have) == b"1" else "false"
+        raise ModeMismatch(
+            f"created with writemap = {was}; every process on a path must use the same"
+        )
 
 
 def read_used_bytes(txn: lmdb.Transaction[memoryview], dbs: Databases) -> int:
@@ -127,7 +162,7 @@ class Writer:
             self.txn.put(seq + key, b"", db=self.dbs.lru)
             self.txn.put(key, seq, db=self.dbs.seqs)
 
-    def insert(self, key: bytes, value: bytes) -> None:
+    def insert(self, key: bytes, value: bytes | memoryview) -> None:
         self.txn.put(key, value, db=self.dbs.chunks)
         self.used += len(value)
 

@@ -22,7 +22,7 @@ from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _lmdb_format as fmt
-from kvtiers.tiers._files import FILE_MODE, check_path, make_private_dirs
+from kvtiers.tiers._files import FILE_MODE, allocate_whole, check_path, make_private_dirs
 from kvtiers.tiers._integrity import OPTION_NAMES as _INTEGRITY_OPTIONS
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._lmdb_format import Databases, Verdict, Writer
@@ -41,6 +41,7 @@ _OPTIONS = (
     "read_threads",
     "readahead",
     "sync",
+    "writemap",
     *_INTEGRITY_OPTIONS,
 )
 _MAX_TOUCHED = 4096  # touched keys held in memory before a read flushes them itself
@@ -64,6 +65,11 @@ class LMDBOptions:
     readahead: bool = True
     """Let the OS read ahead in the map; a chunk is one large value read whole, so on by
     default (off, each cold 4 KiB page is its own synchronous disk read)."""
+    writemap: bool = False
+    """Write values straight into the memory map (`MDB_WRITEMAP`): no per-commit buffers
+    and one copy less, so big chunks store several times faster. The data file is then
+    allocated to the map's full size when opened (a full disk can never strike a write
+    into the map), and every process on the path must use the same setting (checked)."""
 
     @classmethod
     def from_config(cls, config: TierConfig) -> LMDBOptions:
@@ -93,16 +99,18 @@ class LMDBOptions:
         sync = raw.get("sync", False)
         if not isinstance(sync, bool):
             raise ConfigError(f"{where}.sync: expected true or false, got {sync!r}")
-        readahead = raw.get("readahead", True)
-        if not isinstance(readahead, bool):
-            raise ConfigError(f"{where}.readahead: expected true or false, got {readahead!r}")
+        flags = {name: raw.get(name, name == "readahead") for name in ("readahead", "writemap")}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}.{name}: expected true or false, got {value!r}")
         return cls(
             path=path,
             read_threads=_int_option(raw, "read_threads", 4, where),
             map_size=map_size,
             sync=sync,
             max_readers=_int_option(raw, "max_readers", 256, where),
-            readahead=readahead,
+            readahead=flags["readahead"],
+            writemap=flags["writemap"],
         )
 
 
@@ -120,7 +128,8 @@ class LMDBTier(Tier):
     Because no single process's policy sees every entry, the tier evicts by capacity itself,
     least recently used first, with a chain's deepest chunk before its prefix. Blocking LMDB
     calls run in a pool of `read_threads` threads, never on the event loop; a batch's reads
-    are split across the pool (in no more parts than there are cores), and a batch's writes are one transaction, all or nothing.
+    are split across the pool (in no more parts than there are cores), and a batch's writes
+    are one transaction, all or nothing.
 
     `used_bytes` counts whole stored values (header and payload), so it matches the disk.
 
@@ -156,6 +165,7 @@ class LMDBTier(Tier):
         self._dbs: Databases | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # guards counters and _touched across the pool's threads
+        self._local = threading.local()  # per thread: a reused buffer to pack a value into
         self._touched: list[list[ChunkKey]] = []  # hit batches, flushed by the next write
         self._last_usage = TierUsage(self.capacity_bytes, 0, 0)  # reported while not open
         self._limit = min(self.capacity_bytes, fmt.map_capacity(self.map_size, self._value_len))
@@ -183,8 +193,10 @@ class LMDBTier(Tier):
 
     def _open_env(self) -> tuple[lmdb.Environment, Databases]:
         path, env = self.options.path, None
+        data = os.path.join(path, "data.mdb")
         try:
             make_private_dirs(path)
+            fresh = not os.path.exists(data)
             env = lmdb.open(
                 path,
                 mode=FILE_MODE,
@@ -193,9 +205,9 @@ class LMDBTier(Tier):
                 max_dbs=4,
                 lock=True,
                 readahead=self.options.readahead,
-                # NOTE: no writemap: a full disk would then be a SIGBUS on a map write, not
-                # an error that declines the batch.
-                writemap=False,
+                # NOTE: with writemap a full disk would be a SIGBUS on a map write, not an
+                # error that declines the batch; so the file is allocated whole first.
+                writemap=self.options.writemap,
                 meminit=False,
                 max_readers=self.options.max_readers,
                 # NOTE: without sync a crash may lose the last transactions, but LMDB's
@@ -203,7 +215,22 @@ class LMDBTier(Tier):
                 sync=self.options.sync,
                 metasync=self.options.sync,
             )
-            return env, fmt.open_databases(env)
+            if self.options.writemap:  # before any write into the map
+                try:
+                    allocate_whole(data, env.info()["map_size"])
+                except OSError:
+                    env.close()
+                    env = None
+                    if fresh:  # give back what was allocated: nothing is stored yet
+                        os.truncate(data, 0)
+                    raise
+            dbs = fmt.open_databases(env)
+            fmt.check_writemap(env, dbs, self.options.writemap)
+            return env, dbs
+        except fmt.ModeMismatch as exc:
+            if env is not None:
+                env.close()
+            raise TierIOError(f"{self.name}: lmdb at {path!r}: {exc}") from None
         except (OSError, lmdb.Error) as exc:
             if env is not None:
                 env.close()
@@ -450,12 +477,22 @@ class LMDBTier(Tier):
         writer.evict(len(new) * self._value_len, keep=set(kept))
         while new and writer.used + len(new) * self._value_len > self._limit:
             kept.remove(new.pop())  # what is left is held by this batch or unaccounted
+        out = self._pack_buffer()
         for new_key in new:
             src = np.ascontiguousarray(srcs_by_key[ChunkKey(new_key)]).reshape(-1)
-            value = fmt.pack_value(self._fingerprint, new_key, src.data, auth_key=self._auth_key)
-            writer.insert(new_key, value)
+            value = fmt.pack_value_into(
+                out, self._fingerprint, new_key, src.data, auth_key=self._auth_key
+            )
+            writer.insert(new_key, value)  # LMDB copies it: `out` is free again
         writer.touch(kept)
         return set(kept), len(new), len(srcs_by_key) - len(kept)
+
+    def _pack_buffer(self) -> memoryview:
+        """Return this thread's buffer for one value, made on its first write."""
+        out: memoryview | None = getattr(self._local, "pack", None)
+        if out is None:
+            out = self._local.pack = memoryview(bytearray(self._value_len))
+        return out
 
     def _write_failed(
         self, keys: Sequence[ChunkKey], exc: lmdb.Error, cancel: threading.Event

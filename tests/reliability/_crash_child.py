@@ -1,7 +1,8 @@
 """A zygote for the crash trials: imports kvtiers once, then forks writers and verifiers.
 
-Run as `python -m tests.reliability._crash_child KIND TARGET`, with KIND `lmdb` or `remote`
-and TARGET the LMDB folder or the `file://` URL. It reads commands from stdin, one a line:
+Run as `python -m tests.reliability._crash_child KIND TARGET`, with KIND `lmdb`,
+`lmdb-writemap` or `remote` and TARGET the LMDB folder or the `file://` URL. It reads
+commands from stdin, one a line:
 
 - `store SEED`: fork a writer that stores chunks in a loop until it is killed; print its pid.
 - `verify SEED PID`: reap the writer PID, fork a fresh verifier, wait for it, print its JSON.
@@ -42,8 +43,9 @@ def expected(key: bytes) -> np.ndarray:
 
 
 def make_tier(kind: str, target: str) -> LMDBTier | RemoteTier:
-    if kind == "lmdb":
-        return LMDBTier(lmdb_config(target, CAPACITY_CHUNKS), LAYOUT)
+    if kind in ("lmdb", "lmdb-writemap"):
+        options = {"writemap": True} if kind == "lmdb-writemap" else {}
+        return LMDBTier(lmdb_config(target, CAPACITY_CHUNKS, **options), LAYOUT)
     config: TierConfig = remote_config(target, CAPACITY_CHUNKS, scan_interval=0.05)
     return RemoteTier(config, LAYOUT)
 
@@ -61,7 +63,7 @@ async def store_forever(kind: str, target: str, seed: int) -> None:
 
 def stored_keys(kind: str, target: str) -> list[bytes]:
     """Return every chunk key the store holds, read around the tier."""
-    if kind == "lmdb":
+    if kind.startswith("lmdb"):
         import lmdb
 
         env = lmdb.open(target, max_dbs=4, readonly=True, lock=False)

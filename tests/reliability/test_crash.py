@@ -62,8 +62,9 @@ def _run_trials(kind: str, target: str, seed: int) -> dict[str, int]:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_lmdb_survives_sigkill_at_random_moments(tmp_path: Path) -> None:
-    totals = _run_trials("lmdb", str(tmp_path / "db"), seed=9)
+@pytest.mark.parametrize("kind", ["lmdb", "lmdb-writemap"])
+def test_lmdb_survives_sigkill_at_random_moments(tmp_path: Path, kind: str) -> None:
+    totals = _run_trials(kind, str(tmp_path / "db"), seed=9)
     assert totals["trials"] == TRIALS and totals["max_found"] > 0
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtiers.core.errors import TierIOError
 from kvtiers.tiers import _lmdb_format
 from kvtiers.tiers.lmdb import LMDBTier
 from kvtiers.tiers.remote import RemoteTier
@@ -188,3 +189,14 @@ async def test_a_disk_that_runs_out_of_space(
     ]
     failing = [r.getMessage() for r in warnings if "close" not in r.getMessage()]
     assert len(failing) == 1, failing
+
+
+async def test_writemap_on_a_disk_too_small_for_its_map_refuses_to_open(small_disk: Path) -> None:
+    # The map's file is allocated whole at open, so a full disk is an error here, never a
+    # SIGBUS on a later write into the map.
+    tier = LMDBTier(lmdb_config(small_disk / "db", 4000, writemap=True), LAYOUT)
+    with pytest.raises(TierIOError, match="cannot open lmdb"):
+        await tier.open()
+    assert (small_disk / "db" / "data.mdb").stat().st_blocks == 0  # the disk is free again
+    async with LMDBTier(lmdb_config(small_disk / "db", 40), LAYOUT) as plain:
+        assert await plain.put(keys(8), payloads(8)) == [True] * 8  # and the path usable

@@ -43,6 +43,42 @@ class TestLMDBTier(TierTests):
         return LMDBTier(config, layout)
 
 
+class TestLMDBTierWritemap(TestLMDBTier):
+    """The same contract with values written straight into the map (`writemap = true`)."""
+
+    async def make_tier(self, tmp_path: Path, layout: KVLayout, capacity_bytes: int) -> LMDBTier:
+        options = {"path": str(tmp_path / "lmdb"), "writemap": True}
+        return LMDBTier(TierConfig("lmdb", capacity_bytes, options=options), layout)
+
+
+async def test_writemap_allocates_the_data_file_whole(tmp_path: Path) -> None:
+    async with LMDBTier(make_config(tmp_path / "db", writemap=True), SMALL_LAYOUT) as tier:
+        assert await tier.put(keys(2), payloads(2)) == [True, True]
+        data = (tmp_path / "db" / "data.mdb").stat()
+        assert data.st_blocks * 512 >= tier.map_size  # no hole a map write could hit
+    async with LMDBTier(make_config(tmp_path / "db", writemap=True), SMALL_LAYOUT) as tier:
+        dsts = [np.zeros(SMALL_LAYOUT.chunk_bytes, dtype=np.uint8) for _ in range(2)]
+        assert await tier.get(keys(2), dsts) == [True, True]
+        assert all(np.array_equal(d, s) for d, s in zip(dsts, payloads(2), strict=True))
+
+
+@pytest.mark.parametrize("first", [False, True])
+async def test_a_path_refuses_the_other_writemap_setting(tmp_path: Path, first: bool) -> None:
+    async with LMDBTier(make_config(tmp_path / "db", writemap=first), SMALL_LAYOUT) as tier:
+        assert await tier.put(keys(1), payloads(1)) == [True]
+    other = LMDBTier(make_config(tmp_path / "db", writemap=not first), SMALL_LAYOUT)
+    with pytest.raises(TierIOError, match=f"created with writemap = {str(first).lower()}"):
+        await other.open()
+    async with LMDBTier(make_config(tmp_path / "db", writemap=first), SMALL_LAYOUT) as tier:
+        assert await tier.contains(keys(1)) == [True]  # nothing lost
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_writemap_must_be_a_bool(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ConfigError, match=r"\.writemap: expected true or false"):
+        LMDBTier(make_config(tmp_path / "db", writemap=value), SMALL_LAYOUT)
+
+
 # Helpers bypass the tier: they rewrite stored values through the lmdb module directly.
 
 
