@@ -230,8 +230,10 @@ def test_fuzzed_api_calls_raise_only_typed_errors(tmp_path: Path) -> None:
 
         try:
             check()
-            assert cache.pin_count() == 0
+            # NOTE: after the write-through queues are done: a copy still being written
+            # holds its top-tier blocks (a pin in use, not a leak).
             runner.run(cache.flush())
+            assert cache.pin_count() == 0
         finally:
             runner.run(cache.close())
     print(f"api fuzz: {tried}")
