@@ -139,14 +139,17 @@ class SchedulerSide:
         forward pass), so the second value is always False.
         """
         tracked = self._track(request)
-        # NOTE: vLLM must compute at least one token itself, so the last prompt token is
-        # never offered; only whole chunks count.
-        limit = (request.num_tokens - 1) // self._chunk * self._chunk
+        # NOTE: whole chunks are looked up, up to the whole prompt, but vLLM must compute
+        # at least one token itself: when every token is cached, all but the last one are
+        # offered. The load still fills the last token's slot (its block is whole), and
+        # vLLM's own write of that token's KV comes after it in the layer's forward pass.
+        whole = request.num_tokens // self._chunk * self._chunk
+        limit = min(whole, request.num_tokens - 1)
         if not tracked.eligible or limit <= num_computed_tokens:
             return 0, False
         tracked.asked_computed = num_computed_tokens
         if tracked.answer is None:
-            hit = self._await_lookup(tracked, limit)
+            hit = self._await_lookup(tracked, whole)
             if hit is None:
                 return None, False
             tracked.answer = hit
@@ -200,7 +203,8 @@ class SchedulerSide:
         start = tracked.asked_computed
         end = start + num_external_tokens
         # NOTE: the hit is whole chunks and chunks are whole blocks, so rounding `end` up
-        # to a block stays inside the loaded prefix.
+        # to a block stays inside the loaded prefix (with a whole prompt cached, `end` is
+        # its last token, whose slot the load fills before vLLM computes it).
         end_block = -(-end // self._block)
         spec = LoadSpec(
             req_id=request.request_id,

@@ -60,6 +60,8 @@ def test_fresh_engine_gets_the_shared_prefix_from_kvtiers(inprocess):
     # Engine B: a new engine (vLLM's prefix caching off, empty DRAM tier) loads from LMDB.
     assert tokens(result["engine_b"]) == baseline
     assert all(o["cached"] >= PREFIX for o in result["engine_b"])
+    whole = result["prompts"][-1]  # five whole chunks: vLLM computes only the last token
+    assert len(whole) % 64 == 0 and result["engine_b"][-1]["cached"] == len(whole) - 1
     assert result["engine_b_tier_hits"]["lmdb"] >= len(baseline) * PREFIX // 64
     reported = result["engine_b_stats"]  # what get_kv_connector_stats handed vLLM
     assert reported["loaded_tokens"] >= len(baseline) * PREFIX

@@ -73,18 +73,31 @@ def side(lookup, clock=None, **settings):
 def test_answers_beyond_what_vllm_computed_and_never_the_last_token():
     lookup = FakeLookup(hit=256)
     s = side(lookup)
-    r = request(num_tokens=257)  # 256 would be every token; vLLM must compute one
+    r = request(num_tokens=257)
     assert s.get_num_new_matched_tokens(r, 0) == (256, False)
     assert lookup.asked[0][0] == r.all_token_ids[:256]
     assert s.get_num_new_matched_tokens(r, 128) == (128, False)  # no second lookup
     assert len(lookup.asked) == 1
-    short = request("r2", num_tokens=256)  # all four chunks cached, yet only three offered
-    assert s.get_num_new_matched_tokens(short, 0) == (192, False)
-    assert lookup.asked[1][0] == short.all_token_ids[:192]
-    assert s.get_num_new_matched_tokens(short, 192) == (0, False)
-    tiny = request("r3", num_tokens=64)
-    assert s.get_num_new_matched_tokens(tiny, 0) == (0, False)  # no full chunk to offer
+    whole = request("r2", num_tokens=256)  # every chunk cached: all but the last token
+    assert s.get_num_new_matched_tokens(whole, 0) == (255, False)
+    assert lookup.asked[1][0] == whole.all_token_ids[:256]
+    assert s.get_num_new_matched_tokens(whole, 240) == (15, False)
+    assert s.get_num_new_matched_tokens(whole, 255) == (0, False)
+    short = request("r3", num_tokens=63)
+    assert s.get_num_new_matched_tokens(short, 0) == (0, False)  # no full chunk to offer
     assert len(lookup.asked) == 2
+
+
+def test_a_whole_cached_prompt_loads_its_last_block_too():
+    s = side(FakeLookup(hit=128))
+    r = request(num_tokens=128)
+    assert s.get_num_new_matched_tokens(r, 0) == (127, False)
+    blocks = list(range(500, 508))
+    s.update_state_after_alloc(r, blocks, 127)
+    (load,) = s.build_plan({}, lambda _: None).loads
+    assert (load.start, load.end) == (0, 128)
+    assert load.block_ids == tuple(blocks)
+    assert not s.build_plan({"r1": 1}, lambda _: blocks).saves  # already stored
 
 
 def test_a_slow_lookup_asks_again_later_then_gives_up():

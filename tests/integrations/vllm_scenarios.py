@@ -156,6 +156,8 @@ async def store_other_values(config: dict[str, Any], layout: Any, prompts: list[
 
 def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     prompts = make_prompts(seed=0)
+    rng = random.Random(1)  # and one prompt of whole chunks: all but its last token load
+    prompts.append(prompts[0][:PREFIX_TOKENS] + [rng.randrange(3, 500) for _ in range(CHUNK)])
     result: dict[str, Any] = {"prompts": prompts}
 
     base = Engine(model, None, prefix_caching=False)
