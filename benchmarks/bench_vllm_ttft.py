@@ -11,8 +11,10 @@ after another with `VLLM_ENABLE_V1_MULTIPROCESSING=0`), medians over the prompts
   runs in a fresh engine (empty DRAM tier), with the page cache warm, or dropped
   (`echo 3 > /proc/sys/vm/drop_caches`, needs root) right before the request.
 - kvtiers, DRAM: one restarted engine, second pass (the loads promoted the chunks).
-- every kvtiers row twice: with the default `chunk_size` (256 tokens; only whole chunks are
-  cached, so up to 256 tokens are recomputed) and with `chunk_size` = the block size (32).
+- every kvtiers row twice: with the default `chunk_size` (256 tokens) and with `chunk_size` =
+  the block size (32). Only whole chunks are cached; the prompts here are whole chunks of
+  either size, so kvtiers loads all but the last token, which vLLM computes (vLLM's prefix
+  cache and ExampleConnector recompute the last block).
 - ExampleConnector warm / cold: vLLM's built-in connector (one safetensors file per layer and
   prompt, in a temp dir), filled by an earlier engine, measured in a fresh engine.
 - new prompts: the shared prefix with tails no engine has seen: no cache, kvtiers (the DRAM

@@ -1,12 +1,14 @@
 """The worker side of the vLLM connector: layer-wise loads and saves against vLLM's KV.
 
-Loads: `start_load` submits one `TieredCache.load` per request to the cache's loop; the
-first `wait_for_layer` of the step waits for them, then each layer's blocks are written as
-its attention layer asks. Saves: each layer's blocks are gathered into a private staging
-tensor as the forward pass leaves the layer; `finish_step` hands the staged KV to
-`TieredCache.store` in the background, so neither vLLM's blocks nor its forward pass wait
-for a tier. Every failure is logged, counted, and becomes a miss (loads: the blocks are
-reported to vLLM, which recomputes them).
+Loads: `start_load` submits one load per request to the cache's loop, of the chunks from
+the one holding vLLM's first uncomputed token on (those before it are in vLLM's blocks
+already, so they are not read again); the first `wait_for_layer` of the step waits for
+them, then each layer's blocks are written as its attention layer asks. Saves: each
+layer's blocks are gathered into a private staging tensor as the forward pass leaves the
+layer; `finish_step` hands the staged KV to `TieredCache.store` in the background, so
+neither vLLM's blocks nor its forward pass wait for a tier. Every failure is logged,
+counted, and becomes a miss (loads: the blocks are reported to vLLM, which recomputes
+them).
 
 vLLM objects are not imported here; the connector passes tensors and plans.
 """
@@ -19,9 +21,11 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvtiers import TieredCache
 from kvtiers._tensors import torch_dtype
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._runtime import SharedCache
@@ -29,6 +33,7 @@ from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
     LoadSpec,
+    Salt,
     SaveSpec,
     StepPlan,
     tokens_of,
@@ -54,7 +59,9 @@ class _Load:
     spec: LoadSpec
     staging: torch.Tensor
     block_ids: torch.Tensor
-    future: concurrent.futures.Future[torch.Tensor]
+    future: concurrent.futures.Future[int]
+    base: int
+    """The request's token at the start of `staging`."""
     upto: int = -1
     """Tokens usable after the load finished (-1 while unknown)."""
     layers_done: set[int] = field(default_factory=set)
@@ -109,17 +116,21 @@ class WorkerSide:
     def start_load(self, plan: StepPlan) -> None:
         """Start loading every request of the plan (returns at once)."""
         cache, loop = self._entry.cache, self._entry.loop
+        chunk = self.layout.chunk_size
         for spec in plan.loads:
             tokens = tokens_of(spec.tokens)
-            staging = torch.empty(self.layout.kv_shape(len(tokens)), dtype=torch_dtype(self.layout))
+            first = spec.start // chunk
+            staging = torch.empty(
+                self.layout.kv_shape(len(tokens) - first * chunk), dtype=torch_dtype(self.layout)
+            )
             ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
             try:
-                future = loop.submit(cache.load(tokens, salt=spec.salt, out=staging))
+                future = loop.submit(_load_from(cache, tokens, spec.salt, first, staging))
             except Exception:  # the loop is gone: every block of the request fails
                 logger.exception("kvtiers: starting a load failed")
                 future = concurrent.futures.Future()
                 future.set_exception(RuntimeError("kvtiers loop unavailable"))
-            self._loads.append(_Load(spec, staging, ids, future))
+            self._loads.append(_Load(spec, staging, ids, future, base=first * chunk))
 
     def _resolve_loads(self) -> None:
         deadline = time.monotonic() + self._settings.load_timeout_s
@@ -130,7 +141,7 @@ class WorkerSide:
             spec = job.spec
             started = time.monotonic()
             try:
-                loaded = job.future.result(timeout=max(0.0, deadline - time.monotonic())).shape[2]
+                loaded = job.future.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 job.future.cancel()
                 logger.warning("kvtiers: a load failed (%s); vLLM recomputes", exc)
@@ -161,7 +172,7 @@ class WorkerSide:
             count = (job.upto - job.spec.start) // self._paged.block_size
             if count <= 0:
                 continue
-            src = job.staging[i, :, job.spec.start : job.upto]
+            src = job.staging[i, :, job.spec.start - job.base : job.upto - job.base]
             self._paged.scatter(self._layers[name], job.block_ids[:count], src)
 
     def take_failed_blocks(self) -> set[int]:
@@ -287,3 +298,22 @@ class WorkerSide:
         if counts.get("loaded_tokens"):
             counts["loaded_bytes"] = counts["loaded_tokens"] * self.layout.bytes_per_token
         return counts
+
+
+async def _load_from(
+    cache: TieredCache, tokens: Any, salt: Salt, first: int, staging: torch.Tensor
+) -> int:
+    """Load the cached chunks of `tokens` from chunk `first` on into `staging`.
+
+    Returns:
+        The tokens of the request's cached prefix now in vLLM's reach: `first` chunks plus
+        the leading run of chunks delivered.
+    """
+    if first == 0:
+        return int((await cache.load(tokens, salt=salt, out=staging)).shape[2])
+    size = cache.layout.chunk_size
+    keys = cache.keys(tokens, salt=salt)
+    dsts = [staging.narrow(2, i * size, size) for i in range(len(keys) - first)]
+    found = await cache.get_chunks(keys[first:], dsts, parent=keys[first - 1])
+    run = next((i for i, hit in enumerate(found) if not hit), len(found))
+    return (first + run) * size

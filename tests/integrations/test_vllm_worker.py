@@ -74,7 +74,21 @@ def test_saved_blocks_load_back_into_other_blocks(registry):
     ):
         assert torch.equal(got, want)
     counts = loading.take_counts()
-    assert counts["loaded_tokens"] == 32 and counts["hits_dram"] == 3
+    assert counts["loaded_tokens"] == 32
+    assert counts["hits_dram"] == 2  # the chunk vLLM computed itself is not read again
+
+    mid = LoadSpec("r3", tokens_to_bytes(TOKENS), None, (10, 8, 3), start=24, end=48)
+    loading.start_load(StepPlan(loads=[mid]))  # from the middle of the second chunk
+    for name in NAMES:
+        loading.wait_for_layer(name)
+    loading.finish_step()
+    assert loading.take_failed_blocks() == set()
+    for got, want in zip(
+        blocks_of(dst_layers, [10, 8, 3]), blocks_of(src_layers, [9, 0, 4]), strict=True
+    ):
+        assert torch.equal(got, want)
+    counts = loading.take_counts()
+    assert counts["loaded_tokens"] == 24 and counts["hits_dram"] == 2
     registry.release(saving._entry)
 
 

@@ -179,6 +179,18 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     layout = b.connector.layout
     b.close()
 
+    # Engine E: vLLM's own prefix cache holds the first two chunks, kvtiers the rest.
+    e = Engine(model, tiers(work), prefix_caching=True)
+    e.generate([prompts[0][: 2 * CHUNK + 5]])  # loads two chunks; vLLM caches their blocks
+    before = dict(e.reported)
+    result["engine_e"] = e.generate([prompts[0]])
+    result["engine_e_reads"] = {
+        key: value - before.get(key, 0)
+        for key, value in e.reported.items()
+        if key.startswith("hits_") or key == "loaded_tokens"
+    }
+    e.close()
+
     d = Engine(model, tiers(work), prefix_caching=False)
     lmdb_tier = d.connector._worker._entry.cache.tiers[1]
 
