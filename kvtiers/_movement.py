@@ -181,14 +181,15 @@ class Mover(WriteQueues):
 
         First every lower tier reads, all at once, the chunks the index places highest in
         it (a load split between lmdb and a remote store waits for the slower of the two,
-        not their sum); then, tier by tier, what is left: chunks whose hint was stale, and
-        chunks only a shared tier may hold (another process wrote them).
+        not their sum; skipped with `concurrent_reads` off); then, tier by tier, what is
+        left: chunks whose hint was stale, and chunks only a shared tier may hold (another
+        process wrote them).
         """
         lower = self._slots[1:] if self._memtop is not None else self._slots
         if self._memtop is not None:
             await self._gather_top(keys, sink, done)
         plan: dict[int, list[int]] = {}
-        for i, key in enumerate(keys if len(lower) > 1 else ()):
+        for i, key in enumerate(keys if len(lower) > 1 and self._concurrent_reads else ()):
             mask = 0 if done[i] else self._index.tiers_of(key)
             for slot in lower:
                 if mask & (1 << slot.idx):

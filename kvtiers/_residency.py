@@ -79,8 +79,10 @@ class Residency:
         slots: list[Slot],
         queue_chunks: int,
         events: EventQueue | None = None,
+        concurrent_reads: bool = True,
     ) -> None:
         self._layout = layout
+        self._concurrent_reads = concurrent_reads
         self._events = events
         """Where residency changes go; `None` when events are off (nothing is allocated)."""
         self.miss_reasons: Counter[str] = Counter()

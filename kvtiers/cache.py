@@ -90,7 +90,12 @@ class TieredCache:
         self._slots = _build_slots(self.config, layout, registry or TierRegistry())
         self._events = EventQueue(config.events) if config.events > 0 else None
         self._mover = Mover(
-            layout, self._index, self._slots, config.write_queue_chunks, self._events
+            layout,
+            self._index,
+            self._slots,
+            config.write_queue_chunks,
+            self._events,
+            config.concurrent_reads,
         )
         self._state = CacheState.UNOPENED
         self._stack = AsyncExitStack()

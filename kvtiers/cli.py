@@ -206,6 +206,8 @@ def _layout_lines(config: CacheConfig) -> list[str]:
         f"bytes/chunk   {_size_and_bytes(layout.chunk_bytes)}",
         f"fingerprint   {layout.fingerprint.hex()}",
         f"write queue   {config.write_queue_chunks} chunks per write-through tier",
+        "split loads   "
+        + ("all lower tiers at once" if config.concurrent_reads else "one tier after another"),
     ]
 
 

@@ -75,13 +75,17 @@ async def test_a_fresh_cache_loads_what_another_stored(tmp_path, layout, write_p
         assert remote.hits > 0 and dram.promotions > 0
 
 
-async def test_a_load_split_between_lmdb_and_remote_reads_both_at_once(tmp_path, layout):
+@pytest.mark.parametrize("concurrent", [True, False])
+async def test_a_load_split_between_lmdb_and_remote_reads_both_at_once(
+    tmp_path, layout, concurrent
+):
     url = file_url(tmp_path)
     tokens, kv = list(range(8000, 8128)), make_kv(layout, 128, seed=5)  # 8 chunks
     async with TieredCache.from_config(config(remote_tier(url))) as first:
         await first.store(tokens, kv)
     lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "4MiB"}
-    async with TieredCache.from_config(config(lmdb, remote_tier(url), dram_chunks=8)) as cache:
+    split = {**config(lmdb, remote_tier(url), dram_chunks=8), "concurrent_reads": concurrent}
+    async with TieredCache.from_config(split) as cache:
         assert await cache.lookup(tokens) == 128  # the index learns: all in remote
         await cache.store(tokens[:64], kv[:, :, :64])  # the first 4 also into lmdb
         await cache.flush()
@@ -100,6 +104,9 @@ async def test_a_load_split_between_lmdb_and_remote_reads_both_at_once(tmp_path,
 
             tier.get = logged
         assert same_bytes(await cache.load(tokens), kv)
+    if not concurrent:  # one tier after the other, top first
+        assert log == ["start lmdb", "end lmdb", "start remote", "end remote"]
+        return
     assert log[:2] == ["start lmdb", "start remote"] or log[:2] == ["start remote", "start lmdb"]
     assert sorted(log) == ["end lmdb", "end remote", "start lmdb", "start remote"]
 

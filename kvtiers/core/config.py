@@ -133,6 +133,9 @@ class CacheConfig:
     """Capacity of the KV event queue (`TieredCache.take_events`); 0 turns events off."""
     metrics: MetricsConfig | None = None
     """The Prometheus endpoint; `None` serves none."""
+    concurrent_reads: bool = True
+    """A load split between lower tiers asks them all at once; `False`, one after another
+    (for a client on few cores next to a store that competes for them)."""
 
     def with_layout(self, layout: KVLayout) -> CacheConfig:
         """Return a copy of this config with `layout` set."""
@@ -192,12 +195,10 @@ def _read_file(path: Path) -> Mapping[str, Any]:
 
 
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
-    unknown = sorted(set(data) - {"layout", "tiers", "write_queue_chunks", "events", "metrics"})
+    keys = {"layout", "tiers", "write_queue_chunks", "events", "metrics", "concurrent_reads"}
+    unknown = sorted(set(data) - keys)
     if unknown:
-        raise ConfigError(
-            f"{unknown[0]}: unknown key; expected layout, tiers, write_queue_chunks, events, "
-            f"metrics"
-        )
+        raise ConfigError(f"{unknown[0]}: unknown key; expected {', '.join(sorted(keys))}")
     layout = None
     if "layout" in data:
         raw = data["layout"]
@@ -225,7 +226,10 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
             f"got {events!r}"
         )
     metrics = _parse_metrics(data["metrics"]) if "metrics" in data else None
-    return CacheConfig(tiers, layout, depth, events, metrics)
+    concurrent = data.get("concurrent_reads", True)
+    if not isinstance(concurrent, bool):
+        raise ConfigError(f"concurrent_reads: expected true or false, got {concurrent!r}")
+    return CacheConfig(tiers, layout, depth, events, metrics, concurrent)
 
 
 def _parse_metrics(raw: object) -> MetricsConfig:

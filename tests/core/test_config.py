@@ -140,9 +140,11 @@ def test_load_from_dict() -> None:
                 },
             ],
             "write_queue_chunks": 64,
+            "concurrent_reads": False,
         }
     )
     assert isinstance(cfg, CacheConfig)
+    assert cfg.concurrent_reads is False
     assert cfg.layout == KVLayout(**LAYOUT, dtype="float16", chunk_size=128)
     assert cfg.write_queue_chunks == 64
     dram, lmdb = cfg.tiers
@@ -161,6 +163,7 @@ def test_defaults_and_no_layout() -> None:
     cfg = load_config({"tiers": [{"kind": "hbm", "capacity": 1024}]})
     assert cfg.layout is None
     assert cfg.write_queue_chunks == 256
+    assert cfg.concurrent_reads is True
     assert cfg.tiers[0].capacity_bytes == 1024
 
 
@@ -243,6 +246,8 @@ def test_input_dict_is_not_modified() -> None:
         (config(write_queue_chunks=0), "write_queue_chunks"),
         (config(write_queue_chunks=True), "write_queue_chunks"),
         (config(write_queue_chunks="8"), "write_queue_chunks"),
+        (config(concurrent_reads="no"), "concurrent_reads"),
+        (config(concurrent_reads=0), "concurrent_reads"),
         (config(layout="m"), "layout"),
         (config(layout=None), "layout"),
         (config(layout=dict(LAYOUT, num_layers=0)), "layout.num_layers"),
