@@ -2,17 +2,8 @@
 
 `ObjectStore` is the only place the remote tier touches fsspec. Async filesystems (s3fs,
 gcsfs, adlfs) are called through their coroutines on the event loop; sync ones (local,
-memory) in a thread pool of `max_in_flight` threads. Every request:
-
-- waits for one of `max_in_flight` slots;
-- may take `timeout` seconds; once started it runs to its end (or its timeout) even if the
-  caller is cancelled, so the caller's accounting can match the store (`on_success`);
-- is retried `retries` times with exponential backoff and jitter when it fails (a missing
-  object, `FileNotFoundError`, is an answer, not a failure; `PermissionError` is not
-  retried);
-- is refused at once, `StoreUnavailable`, while the circuit breaker is open.
-
-The breaker itself is in `_remote_breaker`.
+memory) in a thread pool of `max_in_flight` threads. Every request goes through the rules
+of `_remote_requests` (slots, timeout, retries, the breaker of `_remote_breaker`).
 """
 
 from __future__ import annotations
@@ -24,11 +15,10 @@ import functools
 import inspect
 import logging
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -38,30 +28,19 @@ from fsspec.core import split_protocol, url_to_fs
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers._files import write_renamed
 from kvtiers.tiers._readahead import will_need
-from kvtiers.tiers._remote_breaker import (
-    BreakerState,
-    CircuitBreaker,
-    IOCounters,
-    StoreFull,
-    StoreUnavailable,
-)
+from kvtiers.tiers._remote_breaker import StoreFull, StoreUnavailable
 from kvtiers.tiers._remote_options import Redactor, RemoteOptions, display_url
+from kvtiers.tiers._remote_requests import RequestRunner
 
 __all__ = ["ObjectStore"]
 
 logger = logging.getLogger("kvtiers")
 
-_T = TypeVar("_T")
-_BACKOFF_BASE = 0.1  # seconds before the first retry; doubled for each further one
-_BACKOFF_CAP = 2.0
 # Filesystems whose PUT makes an object appear whole or not at all (object stores; the memory
 # filesystem commits a file on close). Others write a temporary name and rename it.
 _ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
 _S3 = frozenset({"s3", "s3a"})
-_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})  # answers, not failures: never retried
 _REWARN_FULL = 300.0  # seconds between two warnings that the store is full
-# Errors that are bugs (ours or a backend's), never a store being unreachable.
-_BUGS = (TypeError, AttributeError, NotImplementedError, AssertionError)
 
 
 class ObjectStore:
@@ -78,8 +57,9 @@ class ObjectStore:
         self.url = display_url(options.url)
         self.protocol = split_protocol(options.url)[0] or "file"
         self.atomic_put = self.protocol in _ATOMIC_PUT
-        self.breaker = CircuitBreaker(options.breaker_failures, options.breaker_cooldown)
-        self.counters = IOCounters()
+        self._requests = RequestRunner(options, self.url, name, self.describe)
+        self.breaker = self._requests.breaker
+        self.counters = self._requests.counters
         self.full = False
         """Whether the last write was refused for lack of space."""
         self._full_warned_at = -math.inf
@@ -88,7 +68,6 @@ class ObjectStore:
         self._async = False
         self._session: Any = None
         self._pool: ThreadPoolExecutor | None = None
-        self._slots = asyncio.Semaphore(options.max_in_flight)
 
     @staticmethod
     def check_protocol(url: str, where: str) -> None:
@@ -321,50 +300,13 @@ class ObjectStore:
     ) -> Any:
         """Run one filesystem call with the slot, timeout, retry and breaker rules.
 
-        `FileNotFoundError`, and errors for which `answer` is true, are the store's answer:
-        they reach the caller as they are, and count as the store being reachable.
+        `method` is a filesystem method's name or a helper of ours taking the filesystem
+        first; the rest is as for `RequestRunner.run`.
         """
-        retries = self.options.retries if max_retries is None else max_retries
-        attempt = 0
         call = self._call(method, args, kwargs)
-        while True:
-            if not self.breaker.allow():
-                self.counters.refused += 1
-                raise StoreUnavailable(f"{self.url}: unavailable (circuit breaker open)")
-            try:
-                async with self._slots:
-                    self.counters.requests += 1
-                    result = await self._attempt(call, on_success)
-            except asyncio.CancelledError:
-                self.breaker.abandon()
-                raise
-            except _BUGS:
-                self.breaker.abandon()
-                raise
-            except Exception as exc:
-                if isinstance(exc, FileNotFoundError) or (answer is not None and answer(exc)):
-                    self._succeeded()
-                    raise
-                if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
-                    self._succeeded()  # an answer: the store is reachable, only full
-                    self.counters.full += 1
-                    raise StoreFull(f"{self.url}: {self.describe(exc)}") from None
-                self._failed(exc)
-                if (
-                    attempt >= retries
-                    or isinstance(exc, PermissionError)
-                    or self.breaker.state is not BreakerState.CLOSED
-                ):
-                    raise StoreUnavailable(
-                        f"{self.url}: {self.describe(exc)}", timed_out=isinstance(exc, TimeoutError)
-                    ) from None
-                attempt += 1
-                self.counters.retries += 1
-                delay = min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            else:
-                self._succeeded()
-                return result
+        return await self._requests.run(
+            call, on_success=on_success, max_retries=max_retries, answer=answer
+        )
 
     def _call(
         self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -385,52 +327,6 @@ class ObjectStore:
         if pool is None:
             raise StoreUnavailable(f"{self.url}: not open")
         return lambda: loop.run_in_executor(pool, fn)
-
-    async def _attempt(
-        self, call: Callable[[], Awaitable[_T]], on_success: Callable[[], None] | None
-    ) -> _T:
-        fut = asyncio.ensure_future(call())
-        timeout = self.options.timeout
-        try:
-            # NOTE: asyncio.wait does not cancel `fut` when this task is cancelled.
-            done, _ = await asyncio.wait({fut}, timeout=timeout)
-        except asyncio.CancelledError:
-            # Started: let it end (within its timeout) so that its effect is accounted.
-            await asyncio.wait({fut}, timeout=timeout)
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._succeeded()
-                if on_success is not None:
-                    on_success()
-            else:
-                fut.cancel()
-            raise
-        if not done:
-            fut.cancel()
-            self.counters.timeouts += 1
-            raise TimeoutError(f"no answer within {timeout:g} s")
-        result = fut.result()
-        if on_success is not None:
-            on_success()
-        return result
-
-    def _succeeded(self) -> None:
-        if self.breaker.success():
-            logger.info("kvtiers: remote tier %r: %s is reachable again", self.name, self.url)
-
-    def _failed(self, exc: BaseException) -> None:
-        self.counters.failures += 1
-        if self.breaker.failure():
-            logger.warning(
-                "kvtiers: remote tier %r: %s failed %d times in a row (%s); serving misses "
-                "and dropping writes, probing again every %g s",
-                self.name,
-                self.url,
-                self.breaker.consecutive,
-                self.describe(exc),
-                self.breaker.cooldown,
-            )
-        else:
-            logger.debug("kvtiers: remote tier %r: %s", self.name, self.describe(exc))
 
 
 def _read_into(

@@ -19,9 +19,9 @@ other processes' writes pushed over the capacity. A listing alone would only kno
 a shared index object would need read-modify-write across nodes, which object stores cannot
 do safely, so each process writes only its own small access log.
 
-While the store fails, a circuit breaker (`_remote_breaker`, applied by `_remote_io`) turns
-every call into misses at once, and `put` drops its chunks (counted); nothing raises into
-the caller. While it is merely slow, a read call ends by `read_timeout` with misses for
+While the store fails, a circuit breaker (`_remote_breaker`, applied by `_remote_requests`)
+turns every call into misses at once, and `put` drops its chunks (counted); nothing raises
+into the caller. While it is merely slow, a read call ends by `read_timeout` with misses for
 what has not arrived (`_remote_deadline`); a store out of space declines writes and goes
 on serving reads.
 """
@@ -31,52 +31,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
-import random
-import re
-import secrets
-import socket
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
 
 import numpy as np
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import ConfigError, InvalidInputError
-from kvtiers.core.keys import KEY_BYTES, ChunkKey
+from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierUsage
-from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
-from kvtiers.tiers._integrity import auth_key_from_config
+from kvtiers.tiers._pool_guard import check_keys
 from kvtiers.tiers._read_buffers import ReadBuffers
 from kvtiers.tiers._readahead import HINT_AHEAD, HINT_MIN_BYTES, ahead_of
 from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all, health_of
-from kvtiers.tiers._remote_catalog import (
-    ACCESS_DIR,
-    AccessLog,
-    Catalog,
-    Listing,
-    object_path,
-    scan,
-)
+from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path, scan
+from kvtiers.tiers._remote_codec import ObjectCodec
 from kvtiers.tiers._remote_deadline import Stragglers
 from kvtiers.tiers._remote_io import ObjectStore
-from kvtiers.tiers._remote_layers import LayerPlan, Pieces, write_layers
+from kvtiers.tiers._remote_layers import LayerPlan
+from kvtiers.tiers._remote_objects import ChunkObjects
 from kvtiers.tiers._remote_options import RemoteOptions
+from kvtiers.tiers._remote_scans import Scanner
 from kvtiers.tiers.base import Buffer, Tier
 
 __all__ = ["RemoteOptions", "RemoteTier"]
 
 logger = logging.getLogger("kvtiers")
 
-_T = TypeVar("_T")
-_OFFLOAD_BYTES = 256 * 2**10  # chunks from this size are checked and copied off the loop
 _NOT_READ: tuple[Verdict | None, int] = (None, 0)  # the verdict and size of an object not read
-_TEMP_AGE = 3600.0  # seconds after which a scan deletes a temporary file left by a crash
-_LOG_AGE = 86400.0  # seconds after which a scan deletes another process's idle access log
 _LIST_PAGE = 1000  # objects one listing request returns (S3, GCS)
 
 
@@ -104,41 +87,28 @@ class RemoteTier(Tier):
         super().__init__(config, layout)
         self.options = RemoteOptions.from_config(config)
         ObjectStore.check_protocol(self.options.url, config.where)
-        self._fingerprint = layout.fingerprint
-        self._auth_key = auth_key_from_config(config)
-        self._header_len = fmt.header_bytes(
-            self._fingerprint,
-            layout.chunk_bytes,
-            num_layers=layout.num_layers,
-            tagged=self._auth_key is not None,
-        )
-        self.value_bytes = self._header_len + layout.chunk_bytes
+        self._codec = ObjectCodec(config, layout)
+        self.value_bytes = self._codec.value_bytes
         """Bytes of one stored object (header and payload)."""
-        if self.capacity_bytes < self.value_bytes:
-            raise ConfigError(
-                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
-                f"takes {self.value_bytes} bytes (header and payload), got {self.capacity_bytes}"
-            )
         self.clock: Callable[[], float] = time.time
         """Wall-clock seconds for recency and TTL (shared with other nodes, so not monotonic)."""
         self._store = ObjectStore(self.options, self.name)
         self._catalog = Catalog()
         self._log = AccessLog()
-        host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]
-        self._writer_id = f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
         self._write_lock = asyncio.Lock()  # one put batch or scan at a time: exact accounting
-        self._put_slots = asyncio.Semaphore(self.options.max_in_flight)  # packed values held
-        self._cpu: ThreadPoolExecutor | None = None
         self._stragglers = Stragglers()  # reads a call stopped waiting for (read_timeout)
         # whole objects of a local filesystem are read into these (one byte more than a
         # valid object holds, so a longer one shows as such)
         self._buffers = ReadBuffers(self.value_bytes + 1, 2 * self.options.max_in_flight)
-        self._next_scan = math.inf
+        self._objects = ChunkObjects(
+            self._store, self._codec, self._catalog, self._log, self.counters, self._buffers
+        )
+        self._scanner = Scanner(self._store, self._log, self.options, self.counters, self.name)
 
     @property
     def namespace(self) -> str:
         """The path below which this layout's objects live (without the protocol)."""
-        return f"{self._store.root}/{self._fingerprint.hex()}"
+        return self._objects.namespace
 
     @property
     def io_counters(self) -> IOCounters:
@@ -154,8 +124,7 @@ class RemoteTier(Tier):
     async def _open(self) -> None:
         # docstring inherited
         await self._store.open()
-        if self.layout.chunk_bytes >= _OFFLOAD_BYTES:
-            self._cpu = ThreadPoolExecutor(4, thread_name_prefix=f"kvtiers-remote-{self.name}")
+        self._codec.open(self.name)
         # NOTE: no retries at open, so an unreachable store delays it by one timeout at most.
         await self._scan(retries=0)
 
@@ -164,20 +133,19 @@ class RemoteTier(Tier):
         try:
             await self._stragglers.drain()
             if self._log.dirty and self._store.available:
-                await self._write_log()
+                await self._scanner.write_log(self.namespace)
         except StoreUnavailable as exc:  # the next scan of another process does without
             logger.warning("kvtiers: remote tier %r: access log not written: %s", self.name, exc)
         finally:
             await self._store.close()
-            if self._cpu is not None:
-                await asyncio.to_thread(self._cpu.shutdown, wait=True)
+            await self._codec.close()
 
     # -- the contract ------------------------------------------------------------------
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         if not keys:
             return []
         if not self._store.available:
@@ -186,7 +154,7 @@ class RemoteTier(Tier):
         if self._list_for_contains(len(keys)):
             return await self._contains_by_listing(keys)
         infos, late = await self._stragglers.within(
-            self._store.read_timeout, [self._info(key) for key in keys], False
+            self._store.read_timeout, [self._objects.info(key) for key in keys], False
         )
         self.counters.fail(late, timed_out=True)
         now = self.clock()
@@ -224,18 +192,10 @@ class RemoteTier(Tier):
                 self._catalog.add(key, obj.size, now)
         return [key in listing.objects for key in keys]
 
-    async def _info(self, key: ChunkKey) -> dict[str, Any] | None | bool:
-        """Return the object's details, `None` if it is missing, `False` if unknown."""
-        try:
-            return await self._store.info(object_path(self.namespace, key))
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
-            return False
-
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         self._check_buffers(keys, dsts)
         if not keys or not self._store.available:
             self.counters.misses += len(keys)
@@ -244,7 +204,7 @@ class RemoteTier(Tier):
         deadline = time.monotonic() + self._store.read_timeout
 
         async def judge(i: int, raw: bytes | memoryview | None) -> tuple[Verdict | None, int]:
-            found = await self._judge(keys[i], raw, dsts[i])
+            found = await self._codec.judge(keys[i], raw, dsts[i])
             if isinstance(raw, memoryview) and isinstance(raw.obj, np.ndarray):
                 self._buffers.give(raw.obj)  # copied out: the buffer is free again
             return found
@@ -257,7 +217,7 @@ class RemoteTier(Tier):
             and self.options.max_in_flight < HINT_AHEAD
         )
         fetches = [
-            self._fetch(key, path, ahead_of(paths, i) if hint else ())
+            self._objects.fetch(key, path, ahead_of(paths, i) if hint else ())
             for i, (key, path) in enumerate(zip(keys, paths, strict=True))
         ]
         found, late = await self._stragglers.as_they_come(
@@ -268,40 +228,6 @@ class RemoteTier(Tier):
         await self._after_read(keys, found, deadline)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
         return hits
-
-    async def _judge(
-        self, key: ChunkKey, raw: bytes | memoryview | None, dst: Buffer
-    ) -> tuple[Verdict | None, int]:
-        """Check one object read and copy it into `dst`; its verdict (`None`: none) and size."""
-        if raw is None:
-            return None, 0
-        return await self._offload(self._check_and_copy, key, raw, dst), len(raw)
-
-    async def _fetch(
-        self, key: ChunkKey, path: str | None = None, ahead: Sequence[str] = ()
-    ) -> bytes | memoryview | None:
-        """Read one object whole (`ahead`: local objects to hint to the kernel first)."""
-        path = path or object_path(self.namespace, key)
-        raw: bytes | memoryview | None
-        try:
-            # NOTE: one byte more than a valid object holds, so a longer one shows as such.
-            if self._store.reads_into:
-                read = await self._store.read_into(path, self._buffers.take, ahead)
-                raw = None if read is None else read[0].data[: read[1]]
-            else:
-                raw = await self._store.cat(path, self.value_bytes + 1)
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
-            return None
-        if raw is None:
-            self._catalog.remove(key)
-        return raw
-
-    def _check_and_copy(self, key: ChunkKey, raw: bytes | memoryview, dst: Buffer) -> Verdict:
-        verdict, payload = self._check(key, raw)
-        if payload is not None:  # verified before a byte reaches the destination
-            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
-        return verdict
 
     async def _after_read(
         self,
@@ -331,17 +257,17 @@ class RemoteTier(Tier):
         self._log.record(hit_keys, now)
         if bad:
             budget = max(0.0, deadline - time.monotonic())
-            await self._stragglers.within(budget, [self._delete_objects(bad)], [])
+            await self._stragglers.within(budget, [self._objects.delete(bad)], [])
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         self._check_buffers(keys, srcs)
         if not keys:
             return []
         async with self._write_lock:
-            if time.monotonic() >= self._next_scan:
+            if self._scanner.due():
                 await self._scan()
             if not self._store.available:
                 self._store.counters.dropped_writes += len(keys)
@@ -373,7 +299,7 @@ class RemoteTier(Tier):
         while new and self._catalog.used_bytes + len(new) * self.value_bytes > self.capacity_bytes:
             new.pop()  # what is left is held by this batch or could not be deleted
         now = self.clock()
-        written = await gather_all(self._put_one(k, srcs_by_key[k], now) for k in new)
+        written = await gather_all(self._objects.write(k, srcs_by_key[k], now) for k in new)
         stored = [key for key, ok in zip(new, written, strict=True) if ok]
         held_keys = {*kept, *stored}
         held_order = [k for k in srcs_by_key if k in held_keys]  # prefix first
@@ -384,57 +310,19 @@ class RemoteTier(Tier):
         self.counters.declined += len(srcs_by_key) - len(held_keys)
         return [key in held_keys for key in keys]
 
-    async def _put_one(self, key: ChunkKey, src: Buffer, now: float) -> bool:
-        async with self._put_slots:
-            value = await self._offload(self._pack, key, src)
-
-            def stored() -> None:
-                self._catalog.add(key, len(value), now)
-
-            try:
-                await self._store.write(object_path(self.namespace, key), value, stored)
-            except StoreUnavailable as exc:
-                self.counters.fail(timed_out=exc.timed_out)
-                self._store.counters.dropped_writes += 1
-                return False
-            return True
-
-    def _pack(self, key: ChunkKey, src: Buffer) -> bytes:
-        payload = np.ascontiguousarray(src).reshape(-1)
-        return fmt.pack_value(
-            self._fingerprint,
-            key,
-            payload.data,
-            num_layers=self.layout.num_layers,
-            auth_key=self._auth_key,
-        )
-
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         if keys:
-            await self._delete_objects(keys)
-
-    async def _delete_objects(self, keys: Sequence[bytes]) -> list[bool]:
-        """Delete the objects of `keys`; return, for each, whether the catalog held it."""
-        return await gather_all(self._delete_one(key) for key in keys)
+            await self._objects.delete(keys)
 
     async def _evict(self, victims: Sequence[bytes]) -> None:
         """Delete `victims` to make room, counting and remembering those that went."""
-        done = await self._delete_objects(victims)
+        done = await self._objects.delete(victims)
         gone = [key for key, ok in zip(victims, done, strict=True) if ok]
         self.counters.evictions += len(gone)
         self._note_evicted(gone)
-
-    async def _delete_one(self, key: bytes) -> bool:
-        try:
-            await self._store.rm(object_path(self.namespace, key))
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
-            return False
-        self._log.forget([key])
-        return self._catalog.remove(key)
 
     def usage(self) -> TierUsage:
         """Return the capacity and the objects this process knows of (see the class doc)."""
@@ -465,78 +353,26 @@ class RemoteTier(Tier):
                 one chunk.
         """
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         self._check_buffers(keys, dsts)
-        plan = LayerPlan.make(layers, self.layout, self._header_len)
+        plan = LayerPlan.make(layers, self.layout, self._codec.header_len)
         if not keys or not self._store.available:
             self.counters.misses += len(keys)
             self.counters.unavailable += bool(keys)
             return [False] * len(keys)
         deadline = time.monotonic() + self._store.read_timeout
         got, late = await self._stragglers.within(
-            self._store.read_timeout, [self._read_layers(key, plan) for key in keys], None
+            self._store.read_timeout, [self._objects.read_layers(key, plan) for key in keys], None
         )
         self.counters.fail(late, timed_out=True)
         found = await gather_all(
-            self._deliver_layers(k, g, plan, d) for k, g, d in zip(keys, got, dsts, strict=True)
+            self._codec.deliver_layers(k, g, plan, d)
+            for k, g, d in zip(keys, got, dsts, strict=True)
         )
         await self._after_read(keys, found, deadline)
         hits = [verdict is Verdict.OK for verdict, _ in found]
         self.counters.bytes_read += sum(hits) * len(plan.layers) * self.layout.layer_bytes
         return hits
-
-    async def _read_layers(
-        self, key: ChunkKey, plan: LayerPlan
-    ) -> Pieces | bytes | memoryview | None:
-        """Read one object's layers of `plan`, verified, or else the whole object.
-
-        The whole object is read when the ranges do not verify (it is then judged as `get`
-        judges it) or when integrity is on (a tag covers the whole payload). `None`: no
-        object, or the store failed.
-        """
-        if self._auth_key is None:
-            try:
-                parts = await self._store.cat_ranges(
-                    object_path(self.namespace, key), list(plan.ranges)
-                )
-            except StoreUnavailable as exc:
-                self.counters.fail(timed_out=exc.timed_out)
-                return None
-            if parts is None:
-                self._catalog.remove(key)
-                return None
-            pieces = plan.verify(parts, fingerprint=self._fingerprint, key=key)
-            if pieces is not None:
-                return pieces
-        return await self._fetch(key)
-
-    async def _deliver_layers(
-        self, key: ChunkKey, got: Pieces | bytes | memoryview | None, plan: LayerPlan, dst: Buffer
-    ) -> tuple[Verdict | None, int]:
-        """Copy what `_read_layers` returned into `dst`; its verdict and object size."""
-        if got is None:
-            return None, 0
-        if isinstance(got, bytes | memoryview):
-            return await self._offload(self._check_and_copy_layers, key, got, plan, dst)
-        await self._offload(write_layers, dst, got, self.layout.num_layers)
-        return Verdict.OK, self.value_bytes
-
-    def _check(self, key: ChunkKey, raw: bytes | memoryview) -> tuple[Verdict, memoryview | None]:
-        return fmt.check_value(
-            raw,
-            fingerprint=self._fingerprint,
-            key=key,
-            payload_len=self.layout.chunk_bytes,
-            auth_key=self._auth_key,
-        )
-
-    def _check_and_copy_layers(
-        self, key: ChunkKey, raw: bytes | memoryview, plan: LayerPlan, dst: Buffer
-    ) -> tuple[Verdict, int]:
-        verdict, payload = self._check(key, raw)
-        if payload is not None:
-            write_layers(dst, plan.from_payload(payload), self.layout.num_layers)
-        return verdict, len(raw)
 
     # -- scans -------------------------------------------------------------------------
 
@@ -550,74 +386,11 @@ class RemoteTier(Tier):
             await self._scan()
 
     async def _scan(self, retries: int | None = None) -> None:
-        interval = self.options.scan_interval * random.uniform(0.9, 1.1)  # nodes drift apart
-        self._next_scan = time.monotonic() + interval if interval > 0 else math.inf
         now = self.clock()
-        try:
-            if self._log.dirty:
-                await self._write_log()
-            listing = await scan(self._store, self.namespace, self._log, retries=retries)
-        except StoreUnavailable as exc:
-            logger.warning("kvtiers: remote tier %r: scan skipped: %s", self.name, exc)
-            return
-        if self.options.ttl is not None:
-            self._log.prune(now - self.options.ttl)
-        doomed = self._doomed(listing, now)
-        if doomed:
-            await gather_all(self._rm_quietly(path) for path in doomed)
-            expired = [o.key for o in listing.objects.values() if o.path in doomed]
-            self.counters.evictions += len(expired)
-            self._note_evicted(expired)
-            self._log.forget(expired)
-        self._catalog.reset(o for o in listing.objects.values() if o.path not in doomed)
+        sweep = await self._scanner.sweep(self.namespace, now, retries=retries)
+        if sweep is None:
+            return  # the store failed (logged): things stay as they were
+        self.counters.evictions += len(sweep.expired)
+        self._note_evicted(sweep.expired)
+        self._catalog.reset(sweep.kept)
         await self._evict(self._catalog.victims(0, self.capacity_bytes, keep=set()))
-
-    def _doomed(self, listing: Listing, now: float) -> set[str]:
-        """Return the paths a scan deletes: expired objects, stale temporaries and logs."""
-        ttl = self.options.ttl
-        doomed = {p for p, t in listing.temps.items() if t < now - _TEMP_AGE}
-        own = self._log_path()
-        horizon = max(ttl or 0.0, _LOG_AGE)
-        doomed.update(p for p, t in listing.access_logs.items() if t < now - horizon and p != own)
-        if ttl is not None:
-            doomed.update(o.path for o in listing.objects.values() if o.last_access < now - ttl)
-        return doomed
-
-    async def _rm_quietly(self, path: str) -> None:
-        try:
-            await self._store.rm(path)
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
-
-    def _log_path(self) -> str:
-        return f"{self.namespace}/{ACCESS_DIR}/{self._writer_id}"
-
-    async def _write_log(self) -> None:
-        self._log.dirty = False
-        try:
-            await self._store.write(self._log_path(), self._log.encode(), lambda: None)
-        except BaseException:
-            self._log.dirty = True
-            raise
-
-    # -- helpers -----------------------------------------------------------------------
-
-    async def _offload(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run CPU work on a chunk (checksum, copy) off the loop when chunks are large.
-
-        On cancellation the work is waited for, so nothing touches a caller's buffer later.
-        """
-        if self._cpu is None:
-            return fn(*args)
-        fut = asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait({fut})
-            raise
-
-
-def _check_keys(keys: Sequence[ChunkKey]) -> None:
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise InvalidInputError(f"keys[{i}]: expected a {KEY_BYTES}-byte key, got {key!r:.60}")

@@ -1,0 +1,143 @@
+"""The remote tier's requests about one chunk object each: a failure is a counted miss.
+
+Each method reads, writes or deletes one object of the tier's namespace through the
+`ObjectStore`. A store that fails (`StoreUnavailable`, after its retries) never raises into
+the tier's caller: the failure is counted in the tier's counters and the object is served
+as a miss, or not written, or not deleted. What a request finds keeps the catalog current:
+an object found missing or deleted leaves it, one written enters it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.stats import TierCounters
+from kvtiers.tiers._read_buffers import ReadBuffers
+from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
+from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path
+from kvtiers.tiers._remote_codec import ObjectCodec
+from kvtiers.tiers._remote_io import ObjectStore
+from kvtiers.tiers._remote_layers import LayerPlan, Pieces
+from kvtiers.tiers.base import Buffer
+
+__all__ = ["ChunkObjects"]
+
+
+class ChunkObjects:
+    """The chunk objects of one layout's namespace, one request per object.
+
+    Args:
+        store: the store the objects live in.
+        codec: the objects' format.
+        catalog: the objects this process knows of.
+        log: this process's access log (a deleted object's records go).
+        counters: the tier's counters, where failed requests are counted.
+        buffers: the buffers whole objects of a local filesystem are read into.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        codec: ObjectCodec,
+        catalog: Catalog,
+        log: AccessLog,
+        counters: TierCounters,
+        buffers: ReadBuffers,
+    ) -> None:
+        self._store, self._codec, self._catalog, self._log = store, codec, catalog, log
+        self._counters, self._buffers = counters, buffers
+        self._put_slots = asyncio.Semaphore(store.options.max_in_flight)  # packed values held
+
+    @property
+    def namespace(self) -> str:
+        """The path below which this layout's objects live (without the protocol)."""
+        return f"{self._store.root}/{self._codec.fingerprint.hex()}"
+
+    async def info(self, key: ChunkKey) -> dict[str, Any] | None | bool:
+        """Return the object's details, `None` if it is missing, `False` if unknown."""
+        try:
+            return await self._store.info(object_path(self.namespace, key))
+        except StoreUnavailable as exc:
+            self._counters.fail(timed_out=exc.timed_out)
+            return False
+
+    async def fetch(
+        self, key: ChunkKey, path: str | None = None, ahead: Sequence[str] = ()
+    ) -> bytes | memoryview | None:
+        """Read one object whole (`ahead`: local objects to hint to the kernel first)."""
+        path = path or object_path(self.namespace, key)
+        raw: bytes | memoryview | None
+        try:
+            # NOTE: one byte more than a valid object holds, so a longer one shows as such.
+            if self._store.reads_into:
+                read = await self._store.read_into(path, self._buffers.take, ahead)
+                raw = None if read is None else read[0].data[: read[1]]
+            else:
+                raw = await self._store.cat(path, self._codec.value_bytes + 1)
+        except StoreUnavailable as exc:
+            self._counters.fail(timed_out=exc.timed_out)
+            return None
+        if raw is None:
+            self._catalog.remove(key)
+        return raw
+
+    async def read_layers(
+        self, key: ChunkKey, plan: LayerPlan
+    ) -> Pieces | bytes | memoryview | None:
+        """Read one object's layers of `plan`, verified, or else the whole object.
+
+        The whole object is read when the ranges do not verify (it is then judged as `get`
+        judges it) or when integrity is on (a tag covers the whole payload). `None`: no
+        object, or the store failed.
+        """
+        if self._codec.auth_key is None:
+            try:
+                parts = await self._store.cat_ranges(
+                    object_path(self.namespace, key), list(plan.ranges)
+                )
+            except StoreUnavailable as exc:
+                self._counters.fail(timed_out=exc.timed_out)
+                return None
+            if parts is None:
+                self._catalog.remove(key)
+                return None
+            pieces = plan.verify(parts, fingerprint=self._codec.fingerprint, key=key)
+            if pieces is not None:
+                return pieces
+        return await self.fetch(key)
+
+    async def write(self, key: ChunkKey, src: Buffer, now: float) -> bool:
+        """Store the chunk `src` under `key`; return whether it was stored.
+
+        A stored object enters the catalog as used at `now`, also if the caller was
+        cancelled meanwhile (a started write is finished, not abandoned).
+        """
+        async with self._put_slots:
+            value = await self._codec.offload(self._codec.pack, key, src)
+
+            def stored() -> None:
+                self._catalog.add(key, len(value), now)
+
+            try:
+                await self._store.write(object_path(self.namespace, key), value, stored)
+            except StoreUnavailable as exc:
+                self._counters.fail(timed_out=exc.timed_out)
+                self._store.counters.dropped_writes += 1
+                return False
+            return True
+
+    async def delete(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete the objects of `keys`; return, for each, whether the catalog held it."""
+        return await gather_all(self._delete_one(key) for key in keys)
+
+    async def _delete_one(self, key: bytes) -> bool:
+        try:
+            await self._store.rm(object_path(self.namespace, key))
+        except StoreUnavailable as exc:
+            self._counters.fail(timed_out=exc.timed_out)
+            return False
+        self._log.forget([key])
+        return self._catalog.remove(key)
