@@ -1,7 +1,12 @@
 """The on-disk format of the lmdb tier: its four databases and its values.
 
 The environment holds four named databases (see `Databases`); `Writer` keeps them consistent
-within one write transaction: sizes in `meta`, recency in `lru` and `seqs`.
+within one write transaction: the bytes used in `meta`, recency in `lru` and `seqs`, and
+each value's size in `seqs` too, so that existence and sizes are known without touching a
+value: py-lmdb faults in every page of a value it returns (with the GIL released, so
+threads do not stall on it), which for a cold value is a read of it all from the disk.
+Entries of releases before sizes were kept in `seqs` (an 8-byte `seqs` value) are still
+read: their size is taken from the value. Processes sharing a path should run one release.
 
 A value is a chunk in the format of `kvtiers.tiers._chunk_format` (shared with the remote
 tier), written with six header fields (no per-layer checksums), or eight with an integrity
@@ -37,6 +42,7 @@ __all__ = [
     "check_value",
     "check_writemap",
     "default_map_size",
+    "entry_size",
     "map_capacity",
     "open_databases",
     "pack_value",
@@ -77,7 +83,7 @@ class Databases(NamedTuple):
 
     chunks: lmdb._Database  # key -> header-prefixed value
     lru: lmdb._Database  # seq (u64) ‖ key -> b"": iterates least recently used first
-    seqs: lmdb._Database  # key -> seq (u64): finds a key's lru entry
+    seqs: lmdb._Database  # key -> seq (u64) ‖ value size (u64): finds a key's lru entry
     meta: lmdb._Database  # used_bytes, next_seq -> u64
 
 
@@ -117,6 +123,15 @@ def check_writemap(env: lmdb.Environment, dbs: Databases, writemap: bool) -> Non
         )
 
 
+def entry_size(txn: lmdb.Transaction[memoryview], dbs: Databases, key: bytes) -> int | None:
+    """Return the size of the value under `key` as of `txn`, `None` if there is none."""
+    meta = txn.get(key, db=dbs.seqs)
+    if meta is not None and len(meta) == 2 * _U64.size:
+        return int(_U64.unpack_from(meta, _U64.size)[0])
+    raw = txn.get(key, db=dbs.chunks)  # an entry of an earlier release: measured from its value
+    return None if raw is None else len(raw)
+
+
 def read_used_bytes(txn: lmdb.Transaction[memoryview], dbs: Databases) -> int:
     """Return the bytes of stored values, as of `txn`."""
     return _read_u64(txn, dbs, _USED)
@@ -144,23 +159,26 @@ class Writer:
         self.txn.put(_NEXT_SEQ, _U64.pack(self.next_seq), db=self.dbs.meta)
 
     def size(self, key: bytes) -> int | None:
-        raw = self.txn.get(key, db=self.dbs.chunks)
-        return None if raw is None else len(raw)
+        """Return the size of the value under `key`, `None` if there is none.
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Make `keys` the most recently used, the last key the oldest of them.
+        Read from `seqs`, not from the value (see the module docstring).
+        """
+        return entry_size(self.txn, self.dbs, key)
+
+    def touch(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """Make `keys` (values of `sizes` bytes) the most recently used, the last the oldest.
 
         Keys come prefix-first, so a chain's deepest chunk is evicted before its prefix.
         """
         base, n = self.next_seq, len(keys)
         self.next_seq += n
-        for i, key in enumerate(keys):
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             seq = _U64.pack(base + n - 1 - i)
             old = self.txn.get(key, db=self.dbs.seqs)
             if old is not None:
-                self.txn.delete(bytes(old) + key, db=self.dbs.lru)
+                self.txn.delete(bytes(old[: _U64.size]) + key, db=self.dbs.lru)
             self.txn.put(seq + key, b"", db=self.dbs.lru)
-            self.txn.put(key, seq, db=self.dbs.seqs)
+            self.txn.put(key, seq + _U64.pack(size), db=self.dbs.seqs)
 
     def insert(self, key: bytes, value: bytes | memoryview) -> None:
         self.txn.put(key, value, db=self.dbs.chunks)
@@ -174,7 +192,7 @@ class Writer:
         # NOTE: no txn.pop: a buffer into a page this transaction changes can be overwritten.
         old = self.txn.get(key, db=self.dbs.seqs)
         if old is not None:
-            self.txn.delete(bytes(old) + key, db=self.dbs.lru)
+            self.txn.delete(bytes(old[: _U64.size]) + key, db=self.dbs.lru)
             self.txn.delete(key, db=self.dbs.seqs)
         return size is not None
 

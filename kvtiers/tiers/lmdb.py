@@ -306,7 +306,8 @@ class LMDBTier(Tier):
         try:
             writer = Writer(txn, dbs, self._limit)
             for batch in _last_touches(touched):
-                writer.touch([key for key in batch if writer.size(key) is not None])
+                held = [(key, size) for key in batch if (size := writer.size(key)) is not None]
+                writer.touch([key for key, _ in held], [size for _, size in held])
             result = fn(writer)
             writer.save()
             if not cancel.is_set():
@@ -332,7 +333,9 @@ class LMDBTier(Tier):
 
     def _contains(self, keys: Sequence[ChunkKey], cancel: threading.Event) -> list[bool]:
         env, dbs = self._handles()
-        with env.begin(db=dbs.chunks, buffers=True) as txn:
+        # NOTE: `seqs` holds every stored key with a few bytes; asking `chunks` would fault
+        # in each whole value (see `_lmdb_format`), a read from the disk when it is cold.
+        with env.begin(db=dbs.seqs, buffers=True) as txn:
             return [txn.get(key) is not None for key in keys]
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
@@ -460,7 +463,7 @@ class LMDBTier(Tier):
             The batch's keys held after the write, how many were new, how many declined.
         """
         srcs_by_key = dict(zip(keys, srcs, strict=True))
-        kept: list[bytes] = []
+        kept: dict[bytes, int] = {}  # key -> its value's size
         new: list[bytes] = []
         held, full = 0, False
         for key in srcs_by_key:
@@ -472,11 +475,11 @@ class LMDBTier(Tier):
                     continue
                 new.append(key)
                 size = self._value_len
-            kept.append(key)
+            kept[key] = size
             held += size
         writer.evict(len(new) * self._value_len, keep=set(kept))
         while new and writer.used + len(new) * self._value_len > self._limit:
-            kept.remove(new.pop())  # what is left is held by this batch or unaccounted
+            del kept[new.pop()]  # what is left is held by this batch or unaccounted
         out = self._pack_buffer()
         for new_key in new:
             src = np.ascontiguousarray(srcs_by_key[ChunkKey(new_key)]).reshape(-1)
@@ -484,7 +487,7 @@ class LMDBTier(Tier):
                 out, self._fingerprint, new_key, src.data, auth_key=self._auth_key
             )
             writer.insert(new_key, value)  # LMDB copies it: `out` is free again
-        writer.touch(kept)
+        writer.touch(list(kept), list(kept.values()))
         return set(kept), len(new), len(srcs_by_key) - len(kept)
 
     def _pack_buffer(self) -> memoryview:

@@ -133,7 +133,7 @@ async def put_and_close(path: Path, ks: list[bytes], srcs: list[np.ndarray]) -> 
 async def test_corrupt_entry_is_a_deleted_miss(tmp_path: Path, edit) -> None:
     path, ks, srcs = tmp_path / "db", keys(3), payloads(3)
     await put_and_close(path, ks, srcs)
-    new_len = rewrite_value(path, ks[1], edit)
+    rewrite_value(path, ks[1], edit)
     async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
         dsts = [np.full(SMALL_LAYOUT.chunk_bytes, 7, dtype=np.uint8) for _ in ks]
         assert await tier.get(ks, dsts) == [True, False, True]
@@ -142,8 +142,8 @@ async def test_corrupt_entry_is_a_deleted_miss(tmp_path: Path, edit) -> None:
         assert (tier.counters.corrupt, tier.counters.foreign) == (1, 0)
         assert await tier.contains(ks) == [True, False, True]
         assert tier.usage().num_entries == 2
-        # the entry's stored size is what is given back, so a length-changing edit skews it
-        assert tier.usage().used_bytes == 3 * VALUE_BYTES - new_len
+        # the size recorded when the entry was written is given back, whatever the edit did
+        assert tier.usage().used_bytes == 2 * VALUE_BYTES
         # the slot is free again: a new put stores it, and it reads back
         assert await tier.put(ks[1:2], srcs[1:2]) == [True]
         assert await tier.get(ks[1:2], dsts[1:2]) == [True]
@@ -303,6 +303,66 @@ async def test_full_map_evicts_more_and_retries(tmp_path: Path) -> None:
         assert stored == [True] * num + [False] * (600 - num) and num < 600
         assert tier.counters.declined == 600 - num
         assert await tier.contains(huge) == stored
+
+
+# -- sizes kept beside recency: values are not read to learn they exist ---------------------
+
+BIG = KVLayout(model="big", num_layers=4, num_kv_heads=8, head_size=128, dtype="float16")
+
+
+def _drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+async def test_contains_and_evictions_read_no_value(tmp_path: Path) -> None:
+    from benchmarks.bench_lmdb import resident_fraction
+
+    path, ks = tmp_path / "db", keys(8)
+    srcs = [np.full(BIG.chunk_bytes, i, dtype=np.uint8) for i in range(8)]  # 4 MiB each
+    options = {"path": str(path), "readahead": False}  # a fault reads its own page only
+    config = TierConfig("lmdb", 6 * (BIG.chunk_bytes + 4096), options=options, index=2)
+    async with LMDBTier(config, BIG) as tier:
+        assert await tier.put(ks[:6], srcs[:6]) == [True] * 6
+    data = path / "data.mdb"
+    _drop_from_page_cache(data)  # closed: no page is mapped, so all can go
+    if resident_fraction([data]) > 0.02:
+        pytest.skip("this filesystem keeps its pages in memory (tmpfs?)")
+    async with LMDBTier(config, BIG) as tier:
+        assert await tier.contains(ks) == [True] * 6 + [False] * 2
+        assert resident_fraction([data]) < 0.02  # a few tree pages, no 4 MiB value
+        assert await tier.put(ks[6:], srcs[6:]) == [True, True]  # evicts two cold values
+        assert len(tier.take_evicted()) == 2
+        assert tier.usage().used_bytes == 6 * value_bytes(BIG.fingerprint, BIG.chunk_bytes)
+        resident = resident_fraction([data]) * data.stat().st_size
+        assert resident < 2.5 * BIG.chunk_bytes  # the two new values, not the two evicted
+
+
+async def test_entries_of_an_earlier_release_are_measured_from_their_values(
+    tmp_path: Path,
+) -> None:
+    path, old, new = tmp_path / "db", keys(4), keys(2, seed=1)
+    await put_and_close(path, old, payloads(4))
+    env = lmdb.open(str(path), max_dbs=4)  # `seqs` as releases before sizes wrote it
+    try:
+        seqs = env.open_db(b"seqs")
+        with env.begin(write=True, db=seqs) as txn:
+            for key in old:
+                txn.put(key, bytes(txn.get(key))[:8])
+    finally:
+        env.close()
+    async with LMDBTier(make_config(path, num_chunks=4), SMALL_LAYOUT) as tier:
+        assert await tier.contains(old) == [True] * 4
+        assert await tier.put(new, payloads(2, seed=1)) == [True, True]
+        assert await tier.contains(old) == [True, True, False, False]  # the recency kept
+        assert tier.usage().used_bytes == 4 * VALUE_BYTES  # sizes measured, not guessed
+        dsts = [np.zeros(SMALL_LAYOUT.chunk_bytes, dtype=np.uint8) for _ in range(2)]
+        assert await tier.get(old[:2], dsts) == [True, True]
+        assert all(np.array_equal(d, p) for d, p in zip(dsts, payloads(4)[:2], strict=True))
 
 
 # -- config and open errors ------------------------------------------------------------------
