@@ -18,6 +18,8 @@ cores, is CPU-bound instead, so its reads compete with LMDB's for the cores.
   the ratio is the speed-up (at most 2 when the parts take equally long).
 - vs the slower part alone: the best any overlap can do; the ratio is the fraction of it
   reached (target >= 0.8).
+- the split load with `concurrent_reads = false` (the tiers read one after another) against
+  the default: the ratio says whether overlapping paid on this machine and store.
 
 Chunks are 8 MiB (bench_dram's layout, 64 tokens), 64 of them (32 with `--quick`).
 Run alone: `python -m benchmarks.bench_split_load [--quick]`.
@@ -120,10 +122,11 @@ async def _bench(
             await cache.flush()
         dsts = list(np.empty((num_chunks, CHUNK_BYTES), dtype=np.uint8))
 
-        def timed(lo: int, hi: int) -> Callable[[], Awaitable[float]]:
+        def timed(lo: int, hi: int, concurrent: bool = True) -> Callable[[], Awaitable[float]]:
             async def one() -> float:
                 drop_page_cache(sorted(p for p in (root / "lmdb").iterdir() if p.is_file()))
-                async with TieredCache.from_config(reader) as cache:
+                config = {**reader, "concurrent_reads": concurrent}
+                async with TieredCache.from_config(config) as cache:
                     keys = cache.keys(tokens)
                     assert await cache.lookup_keys(keys) == num_chunks
                     start = time.perf_counter()
@@ -136,7 +139,12 @@ async def _bench(
 
             return one
 
-        fns = [timed(0, num_chunks), timed(0, half), timed(half, num_chunks)]
+        fns = [
+            timed(0, num_chunks),
+            timed(0, half),
+            timed(half, num_chunks),
+            timed(0, num_chunks, concurrent=False),
+        ]
         samples: list[list[float]] = [[] for _ in fns]
         for fn in fns:
             await fn()  # warm-up: connections, imports
@@ -145,7 +153,7 @@ async def _bench(
                 acc.append(await fn())
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    t_split, t_lmdb, t_remote = (statistics.median(acc) for acc in samples)
+    t_split, t_lmdb, t_remote, t_serial = (statistics.median(acc) for acc in samples)
     what = f"{num_chunks} chunks of {CHUNK_BYTES // MIB} MiB, {half} in lmdb (cold), "
     what += f"{num_chunks - half} in {where}"
     times = f"split {t_split * 1e3:.0f} ms, lmdb part {t_lmdb * 1e3:.0f} ms, "
@@ -163,6 +171,12 @@ async def _bench(
             max(t_lmdb, t_remote),
             target=Target("ratio", ">=", 0.8),
             notes="the best an overlap can do: the split load waits for the slower tier only",
+        ),
+        Result.of_times(
+            f"load split lmdb + {where}, concurrent_reads on vs off",
+            t_split,
+            t_serial,
+            notes=f"off: {t_serial * 1e3:.0f} ms (the tiers one after another, one call)",
         ),
     ]
 
