@@ -310,17 +310,8 @@ async def test_full_map_evicts_more_and_retries(tmp_path: Path) -> None:
 BIG = KVLayout(model="big", num_layers=4, num_kv_heads=8, head_size=128, dtype="float16")
 
 
-def _drop_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 async def test_contains_and_evictions_read_no_value(tmp_path: Path) -> None:
-    from benchmarks.bench_lmdb import resident_fraction
+    from benchmarks.bench_lmdb import drop_page_cache, resident_fraction
 
     path, ks = tmp_path / "db", keys(8)
     srcs = [np.full(BIG.chunk_bytes, i, dtype=np.uint8) for i in range(8)]  # 4 MiB each
@@ -329,7 +320,7 @@ async def test_contains_and_evictions_read_no_value(tmp_path: Path) -> None:
     async with LMDBTier(config, BIG) as tier:
         assert await tier.put(ks[:6], srcs[:6]) == [True] * 6
     data = path / "data.mdb"
-    _drop_from_page_cache(data)  # closed: no page is mapped, so all can go
+    drop_page_cache([data])  # closed: no page is mapped, so all can go
     if resident_fraction([data]) > 0.02:
         pytest.skip("this filesystem keeps its pages in memory (tmpfs?)")
     async with LMDBTier(config, BIG) as tier:
