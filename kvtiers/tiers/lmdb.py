@@ -487,6 +487,7 @@ class LMDBTier(Tier):
                 out, self._fingerprint, new_key, src.data, auth_key=self._auth_key
             )
             writer.insert(new_key, value)  # LMDB copies it: `out` is free again
+            kept[new_key] = len(value)
         writer.touch(list(kept), list(kept.values()))
         return set(kept), len(new), len(srcs_by_key) - len(kept)
 
