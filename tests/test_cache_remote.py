@@ -104,11 +104,16 @@ async def test_a_load_split_between_lmdb_and_remote_reads_both_at_once(
 
             tier.get = logged
         assert same_bytes(await cache.load(tokens), kv)
-    if not concurrent:  # one tier after the other, top first
-        assert log == ["start lmdb", "end lmdb", "start remote", "end remote"]
-        return
-    assert log[:2] == ["start lmdb", "start remote"] or log[:2] == ["start remote", "start lmdb"]
-    assert sorted(log) == ["end lmdb", "end remote", "start lmdb", "start remote"]
+    # NOTE: a tier may get two calls (the chunks that got a DRAM block, and those that did
+    # not while background writes held blocks), so the order is checked, not the count.
+    first_end = next(i for i, entry in enumerate(log) if entry.startswith("end"))
+    started = {entry.split()[1] for entry in log[:first_end]}
+    if concurrent:
+        assert started == {"lmdb", "remote"}  # both in flight before either ended
+    else:  # one tier after the other, top first
+        last_lmdb = max(i for i, entry in enumerate(log) if entry.endswith("lmdb"))
+        assert started == {"lmdb"} and last_lmdb < log.index("start remote")
+    assert {entry.split()[1] for entry in log} == {"lmdb", "remote"}
 
 
 async def test_corrupt_remote_object_is_a_counted_miss(tmp_path, layout):

@@ -212,7 +212,7 @@ class RemoteTier(Tier):
         # Each object is verified and copied as it arrives, while the others are in flight.
         paths = [object_path(self.namespace, key) for key in keys]
         hint = (
-            self._store.reads_into
+            self._store.local
             and self.value_bytes >= HINT_MIN_BYTES
             and self.options.max_in_flight < HINT_AHEAD
         )

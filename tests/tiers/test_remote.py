@@ -634,9 +634,17 @@ def test_registry_resolves_remote() -> None:
     assert RemoteTier.shared and RemoteTier.manages_eviction
 
 
-async def test_local_objects_are_read_into_reused_buffers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["file", pytest.param("s3", marks=pytest.mark.slow)])
+async def test_objects_are_read_into_reused_buffers(
+    tmp_path: Path, request: pytest.FixtureRequest, where: str
+) -> None:
     ks, srcs = keys(4), payloads(4)
-    async with make_tier(f"file://{tmp_path}/pool", max_in_flight=2) as tier:
+    if where == "s3":  # the body of a GET, piece by piece, into a buffer: no bytes object
+        moto_s3 = request.getfixturevalue("moto_s3")
+        url, opts = moto_s3.url(), {"storage_options": moto_s3.storage_options()}
+    else:
+        url, opts = f"file://{tmp_path}/pool", {}
+    async with make_tier(url, max_in_flight=2, **opts) as tier:
         await tier.put(ks, srcs)
         out = dsts(4)
         assert await tier.get(ks, out) == [True] * 4
