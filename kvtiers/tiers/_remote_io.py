@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import inspect
 import logging
@@ -27,8 +26,8 @@ from fsspec.core import split_protocol, url_to_fs
 
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers._files import write_renamed
-from kvtiers.tiers._readahead import will_need
 from kvtiers.tiers._remote_breaker import StoreFull, StoreUnavailable
+from kvtiers.tiers._remote_fetch import range_refused, read_into, s3_head, s3_read_into
 from kvtiers.tiers._remote_options import Redactor, RemoteOptions, display_url
 from kvtiers.tiers._remote_requests import RequestRunner
 
@@ -41,7 +40,6 @@ logger = logging.getLogger("kvtiers")
 _ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
 _S3 = frozenset({"s3", "s3a"})
 _REWARN_FULL = 300.0  # seconds between two warnings that the store is full
-_S3_PIECE = 1 << 20  # bytes of an S3 body read at a time into the caller's buffer
 
 
 class ObjectStore:
@@ -181,10 +179,10 @@ class ObjectStore:
                 return data
             try:
                 data = await self._request(
-                    "cat_file", path, start=0, end=size, answer=_range_refused
+                    "cat_file", path, start=0, end=size, answer=range_refused
                 )
             except OSError as exc:
-                if not _range_refused(exc):
+                if not range_refused(exc):
                     raise
                 data = await self._request("cat_file", path)  # an empty object, most likely
             return data
@@ -217,9 +215,9 @@ class ObjectStore:
         """
         try:
             result: tuple[npt.NDArray[np.uint8], int] = await (
-                self._request(_s3_read_into, path, take)
+                self._request(s3_read_into, path, take)
                 if self._s3
-                else self._request(_read_into, path, take, ahead)
+                else self._request(read_into, path, take, ahead)
             )
         except FileNotFoundError:
             return None
@@ -247,7 +245,7 @@ class ObjectStore:
     async def info(self, path: str) -> dict[str, Any] | None:
         """Return the object's details (`size`, ...), or `None` if there is none."""
         # NOTE: s3fs's info() lists the "directory" after a 404; one HEAD is all we need.
-        method = _s3_head if self._s3 else "info"
+        method = s3_head if self._s3 else "info"
         try:
             details: dict[str, Any] = await self._request(method, path)
         except FileNotFoundError:
@@ -340,66 +338,3 @@ class ObjectStore:
         if pool is None:
             raise StoreUnavailable(f"{self.url}: not open")
         return lambda: loop.run_in_executor(pool, fn)
-
-
-def _read_into(
-    fs: Any, path: str, take: Callable[[], npt.NDArray[np.uint8]], ahead: Sequence[str]
-) -> tuple[npt.NDArray[np.uint8], int]:
-    """Read the object at `path` into a buffer from `take`, up to its size (sync fs)."""
-    if ahead:
-        will_need(ahead)
-    buf = take()
-    view, got = buf.data, 0
-    with fs.open(path, "rb") as f:
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    return buf, got
-
-
-async def _s3_read_into(
-    fs: Any, path: str, take: Callable[[], npt.NDArray[np.uint8]]
-) -> tuple[npt.NDArray[np.uint8], int]:
-    """Read an S3 object into a buffer from `take`, up to the buffer's size (s3fs).
-
-    One ranged GET whose body is copied into the buffer as it arrives, where `cat_file`
-    would build a new `bytes` of the whole object first (for 8 MiB, two thousand fresh
-    pages to fault in and zero, then a copy).
-    """
-    bucket, key, version = fs.split_path(path)
-    buf = take()
-    view, got = buf.data, 0
-    versioned = {"VersionId": version} if version else {}
-    try:
-        resp = await fs._call_s3(
-            "get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{len(view) - 1}", **versioned
-        )
-    except OSError as exc:
-        if _range_refused(exc):  # an empty object: nothing to read
-            return buf, 0
-        raise
-    body = resp["Body"]
-    try:
-        while got < len(view):
-            piece = await body.read(min(_S3_PIECE, len(view) - got))
-            if not piece:
-                break
-            view[got : got + len(piece)] = piece
-            got += len(piece)
-    finally:
-        body.close()
-    return buf, got
-
-
-def _range_refused(exc: BaseException) -> bool:
-    """Return whether `exc` is an object store refusing a byte range (HTTP 416: too short)."""
-    return isinstance(exc, OSError) and exc.errno == errno.EINVAL
-
-
-async def _s3_head(fs: Any, path: str) -> dict[str, Any]:
-    """Return an S3 object's size from one HEAD request (s3fs)."""
-    bucket, key, _ = fs.split_path(path)
-    out = await fs._call_s3("head_object", Bucket=bucket, Key=key)
-    return {"name": path, "size": int(out["ContentLength"]), "type": "file"}
