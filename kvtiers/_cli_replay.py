@@ -1,8 +1,9 @@
 """The `replay` and `plan` subcommands of `kvtiers`.
 
 `replay` answers "will pooling pay off on this workload": it replays a request trace through
-the prefix index and eviction policies (index-only, no bytes stored) and reports hit rates,
-bytes read per tier, the offline optimum and, given a model, TTFT and prefill throughput.
+the prefix index and eviction policies (index-only, no bytes stored; with `--full`, through a
+real `TieredCache`, see `_cli_replay_full`) and reports hit rates, bytes read per tier, the
+offline optimum and, given a model, TTFT and prefill throughput.
 `plan` answers the same from the model, accelerator and tier bandwidths alone.
 """
 
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
+from kvtiers._cli_bench import read_tier_links
+from kvtiers._replay_full import DEFAULT_BLOCK_BYTES
 from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import ConfigError
 from kvtiers.costmodel import (
@@ -25,6 +28,7 @@ from kvtiers.costmodel import (
     Compute,
     ModelSpec,
     Plan,
+    TierLink,
     default_link,
     format_plan,
     load_model,
@@ -58,7 +62,8 @@ def add_replay_commands(commands: Any) -> None:
         "replay",
         help="replay a request trace: hit rates per policy and capacity, optimum, TTFT",
         description="Replay a Mooncake or token trace through the prefix index and eviction "
-        "policies (index-only: blocks are counted, not stored).",
+        "policies (index-only: blocks are counted, not stored; --full stores them in a real "
+        "TieredCache).",
     )
     replay.add_argument("trace", metavar="TRACE", help="a JSON-lines trace file")
     replay.add_argument("--config", help="a tiers config (.toml/.yaml); default: one DRAM tier")
@@ -79,6 +84,18 @@ def add_replay_commands(commands: Any) -> None:
         "config's chunk size, else 256)",
     )
     replay.add_argument("--limit", type=positive_int, metavar="N", help="replay N requests only")
+    replay.add_argument(
+        "--full",
+        action="store_true",
+        help="store and load real bytes through a TieredCache, one fresh cache per run "
+        "(small blocks; lmdb and remote tiers in a temporary directory)",
+    )
+    replay.add_argument(
+        "--block-bytes",
+        metavar="SIZE",
+        help=f"with --full: bytes of a stored block (default: {DEFAULT_BLOCK_BYTES}), or "
+        "'layout' for blocks of the config's [layout]",
+    )
     _add_cost_arguments(replay, model_required=False)
     replay.add_argument("--json", action="store_true", help="print one JSON object instead")
     replay.add_argument("--plot", metavar="OUT", help="write a figure (PNG, SVG, PDF)")
@@ -125,6 +142,12 @@ def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool
         metavar="NAME[:BW[:LATENCY]]",
         help="a tier's bandwidth and latency, e.g. nvme:5GB/s:100us (repeatable)",
     )
+    parser.add_argument(
+        "--tiers-from",
+        metavar="FILE",
+        help="tier bandwidths and latencies measured by `kvtiers bench CONFIG --out FILE`; "
+        "--tier flags override them",
+    )
 
 
 def positive_int(text: str) -> int:
@@ -158,6 +181,11 @@ def _run_replay(args: argparse.Namespace) -> int:
     block_bytes = _block_bytes(trace, config, model)
     cascades = _cascades(args, trace, config, block_bytes)
     costs = _costs(args, model, cascades[0]) if model is not None else None
+    if args.full or args.block_bytes is not None:
+        # NOTE: imported here: that module imports this one.
+        from kvtiers._cli_replay_full import run_full
+
+        return run_full(args, trace, config, cascades, costs, block_bytes)
     capacities = {sum(t.capacity_blocks for t in tiers) for tiers in cascades}
     total = trace.num_requests * (len(cascades) + len(capacities))
     with _progress(total, enabled=not args.no_progress and sys.stderr.isatty()) as tick:
@@ -214,13 +242,27 @@ def _cascades(
 
 
 def _costs(args: argparse.Namespace, model: ModelSpec, tiers: list[TierSpec]) -> CostSetup:
-    overrides = {link.name: link for link in map(parse_tier_link, args.tier)}
+    flags = {link.name: link for link in map(parse_tier_link, args.tier)}
     names = [t.name for t in tiers]
-    for name in overrides:
+    for name in flags:
         if name not in names:
             raise ConfigError(f"--tier {name}: no such tier; the replay has {', '.join(names)}")
+    overrides = _measured_links(args.tiers_from, names) if args.tiers_from else {}
+    overrides.update(flags)
     links = tuple(overrides.get(t.name) or default_link(t.name, t.kind) for t in tiers)
     return CostSetup(model, _compute(args, model), links)
+
+
+def _measured_links(path: str, names: list[str]) -> dict[str, TierLink]:
+    """Return the links a bench file measured for the replay's tiers (by name)."""
+    links = read_tier_links(path)
+    found = {link.name: link for link in links if link.name in names}
+    if not found:
+        raise ConfigError(
+            f"--tiers-from {path}: none of its tiers ({', '.join(x.name for x in links)}) is a "
+            f"tier of the replay ({', '.join(names)})"
+        )
+    return found
 
 
 def _compute(args: argparse.Namespace, model: ModelSpec) -> Compute:
@@ -252,10 +294,10 @@ def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int], None] | 
 def _run_plan(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     compute = _compute(args, model)
-    links = [parse_tier_link(t) for t in args.tier] or [
-        default_link(name, name) for name in _PLAN_TIERS
-    ]
-    result = plan(model, compute, links)
+    links = {x.name: x for x in read_tier_links(args.tiers_from)} if args.tiers_from else {}
+    links.update((x.name, x) for x in map(parse_tier_link, args.tier))
+    defaults = [default_link(name, name) for name in _PLAN_TIERS]
+    result = plan(model, compute, list(links.values()) or defaults)
     if args.json:
         print(json.dumps(_plan_dict(result), indent=2))
     else:

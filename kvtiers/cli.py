@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvtiers import __version__
+from kvtiers._cli_bench import add_bench_command
 from kvtiers._cli_replay import add_replay_commands
 from kvtiers._cli_replay import positive_int as _positive_int
 from kvtiers.cache import TieredCache
@@ -113,6 +114,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_stats_parser(commands)
     _add_purge_parser(commands)
     add_replay_commands(commands)
+    add_bench_command(commands)
     return parser
 
 

@@ -13,7 +13,13 @@ from kvtiers.replay.cascade import from_config, parse_capacity, parse_policies, 
 from kvtiers.replay.optimum import OptimumResult, ideal_hits, optimum
 from kvtiers.replay.report import REUSE_RULE, ReplayReport, build_report, format_report
 from kvtiers.replay.simulate import RunResult, TierResult, TierSpec, replay
-from kvtiers.replay.trace import MOONCAKE_BLOCK_TOKENS, Trace, TraceError, read_trace
+from kvtiers.replay.trace import (
+    MOONCAKE_BLOCK_TOKENS,
+    Trace,
+    TraceError,
+    read_prompts,
+    read_trace,
+)
 from kvtiers.replay.ttft import CostSetup, TTFTSummary, summarize_ttft
 
 __all__ = [
@@ -35,6 +41,7 @@ __all__ = [
     "optimum",
     "parse_capacity",
     "parse_policies",
+    "read_prompts",
     "read_trace",
     "replay",
     "single_tier",

@@ -27,7 +27,14 @@ from typing import Any, Literal
 from kvtiers.core.errors import InvalidInputError, TokenError
 from kvtiers.core.keys import ChunkHasher, ChunkKey
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "Trace", "TraceError", "TraceFormat", "read_trace"]
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "Trace",
+    "TraceError",
+    "TraceFormat",
+    "read_prompts",
+    "read_trace",
+]
 
 TraceFormat = Literal["mooncake", "tokens"]
 
@@ -160,6 +167,28 @@ def read_trace(
     if builder is None:
         raise TraceError("the trace is empty: no request lines", path=name)
     return builder.build()
+
+
+def read_prompts(trace: Trace) -> Iterator[tuple[list[int], str | None]]:
+    """Yield the token ids and salt of each request of a token trace, in order.
+
+    A `Trace` keeps block keys, not tokens: this reads `trace.path` again, one line at a
+    time, up to the trace's last request (for a replay that hashes tokens itself).
+
+    Raises:
+        TraceError: `trace` is not a token trace, or its file no longer holds its requests.
+    """
+    if trace.format != "tokens":
+        raise TraceError(f"a {trace.format} trace holds no tokens", path=trace.path)
+    count = 0
+    for line_no, record in _records(Path(trace.path), trace.num_requests):
+        tokens, salt = record.get("tokens"), record.get("salt")
+        if not isinstance(tokens, list) or not (salt is None or isinstance(salt, str)):
+            raise TraceError("changed since it was read", path=trace.path, line=line_no)
+        count += 1
+        yield tokens, salt
+    if count < trace.num_requests:
+        raise TraceError("changed since it was read: requests missing", path=trace.path)
 
 
 def _records(path: Path, limit: int | None) -> Iterator[tuple[int, Mapping[str, Any]]]:

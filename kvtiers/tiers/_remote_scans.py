@@ -122,6 +122,16 @@ class Scanner:
             self._log.dirty = True
             raise
 
+    async def remove_log(self, namespace: str) -> None:
+        """Forget every access this process recorded and delete its log from `namespace`.
+
+        Raises:
+            StoreUnavailable: the store failed; the log object (if written) stays.
+        """
+        self._log.forget(list(self._log.times))
+        self._log.dirty = False
+        await self._store.rm(self._log_path(namespace))
+
     def _doomed(self, namespace: str, listing: Listing, now: float) -> set[str]:
         """Return the paths a scan deletes: expired objects, stale temporaries and logs."""
         ttl = self._options.ttl

@@ -385,6 +385,22 @@ class RemoteTier(Tier):
         async with self._write_lock:
             await self._scan()
 
+    async def discard_access_log(self) -> bool:
+        """Forget what this process read and wrote, and delete its access log.
+
+        For a visit that must leave no trace in the pool (`kvtiers bench`, its own chunks
+        deleted): the log is otherwise written at close. Other processes' logs stay.
+        Returns `False` when the store failed (the log then goes once idle for a day).
+        """
+        self._ensure_open()
+        async with self._write_lock:
+            try:
+                await self._scanner.remove_log(self.namespace)
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
+                return False
+        return True
+
     async def _scan(self, retries: int | None = None) -> None:
         now = self.clock()
         sweep = await self._scanner.sweep(self.namespace, now, retries=retries)

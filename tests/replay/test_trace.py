@@ -6,9 +6,9 @@ import pytest
 
 from kvtiers.core.errors import InvalidInputError
 from kvtiers.core.keys import ChunkHasher
-from kvtiers.replay import TraceError, read_trace
+from kvtiers.replay import TraceError, read_prompts, read_trace
 from kvtiers.replay.trace import _TOKEN_FINGERPRINT
-from tests.replay._factories import CONVERSATION, SYNTHETIC, mooncake, write_lines
+from tests.replay._factories import CONVERSATION, SYNTHETIC, mooncake, trace_head, write_lines
 
 
 def test_reads_the_whole_synthetic_trace():
@@ -171,3 +171,11 @@ def test_bad_block_size_is_an_error(tmp_path):
     path = write_lines(tmp_path / "t.jsonl", [mooncake([1])])
     with pytest.raises(TraceError, match="tokens per block must be >= 1"):
         read_trace(path, block_tokens=0)
+
+
+def test_read_prompts_yields_the_tokens_and_salts_of_a_token_trace(tmp_path):
+    records = [{"tokens": [1, 2, 3, 4], "salt": "a"}, {"tokens": [5, 6, 7, 8]}]
+    trace = read_trace(write_lines(tmp_path / "t.jsonl", records), block_tokens=2, limit=1)
+    assert list(read_prompts(trace)) == [([1, 2, 3, 4], "a")]
+    with pytest.raises(TraceError, match="holds no tokens"):
+        list(read_prompts(trace_head(SYNTHETIC, 1)))

@@ -1,0 +1,331 @@
+"""Measure each tier of a config on this machine, for the cost model (`kvtiers bench`).
+
+Each tier is measured alone, in a cache of that one tier (the config's layout, the tier's
+own options), through the key-level API, so chunks take the path a load takes: one write
+of a batch (`put_chunks`), single-chunk reads (their median gives the latency), and reads
+of the whole batch in one call (`get_chunks`: every chunk in flight at once, as the tier
+reads a load). Chunks come from and go to the GPU when CUDA is present (where a load
+delivers KV), else host memory.
+
+Side effects: the chunks are keyed under a salt of this run alone, so they can match no
+real chunk, and are deleted afterwards (and checked to be gone). A tier that evicts by
+itself (lmdb, remote) is given no more chunks than its free room holds, so writing them
+evicts nothing; opening it still does what any process's open does (a remote scan expires
+and evicts as configured). A remote tier's access log of the visit is deleted too. Memory
+tiers (dram, hbm) get a buffer of the batch's size instead of their capacity. Nothing makes
+reads cold: chunks just written to a disk tier are read back from the OS page cache, and
+`TierBench.reads_from` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtiers._endpoints import Chunk
+from kvtiers._tensors import torch_dtype
+from kvtiers.cache import TieredCache
+from kvtiers.core.config import CacheConfig, TierConfig
+from kvtiers.core.errors import ConfigError, KVTiersError
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import TierUsage
+from kvtiers.gpu.pinned import cuda_available
+from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers.base import Tier
+from kvtiers.tiers.blocks import BlockTier
+from kvtiers.tiers.dram import MemoryTier
+from kvtiers.tiers.registry import TierRegistry
+
+__all__ = ["BenchReport", "TierBench", "bench_config", "default_chunks"]
+
+_DEFAULT_BYTES = 256 * 2**20  # a batch of at most this much by default...
+_MIN_CHUNKS = 2  # ...but at least this many chunks...
+_MAX_DEFAULT_CHUNKS = 1024  # ...and at most this many (one object each on a remote store)
+_LATENCY_READS = 9  # single-chunk reads after one warm-up; the median is kept
+_READ_ROUNDS = 3  # batch reads; the median is kept
+
+
+@dataclass(frozen=True, slots=True)
+class TierBench:
+    """What the bench found for one tier."""
+
+    name: str
+    kind: str
+    status: str
+    """"measured", "skipped" or "failed"; `reason` says why it was not measured."""
+    reason: str = ""
+    chunks: int = 0
+    """Chunks written, then read in each batch."""
+    read_bandwidth: float = 0.0
+    """Bytes per second of a batch read."""
+    read_latency: float = 0.0
+    """Seconds a read costs beyond its bytes: the median single-chunk read less one chunk
+    at `read_bandwidth` (never below 0); the cost model's link latency."""
+    chunk_read_seconds: float = 0.0
+    """Median seconds of one single-chunk read."""
+    write_bandwidth: float = 0.0
+    """Bytes per second of the batch write."""
+    reads_from: str = ""
+    """Where reads were served from: "memory", "page cache" (warm: just written),
+    "network", or "unknown"."""
+    cleanup: str = ""
+    """What became of the chunks the bench wrote."""
+    clean: bool = True
+    """Whether nothing the bench wrote is left in the tier."""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def measured(self) -> bool:
+        """Whether the figures are set."""
+        return self.status == "measured"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchReport:
+    """Every tier of a config, top first, as measured on this machine."""
+
+    layout: KVLayout
+    device: str
+    """Where chunks came from and went to: "host" or a CUDA device such as "cuda:0"."""
+    tiers: tuple[TierBench, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Timings:
+    write_seconds: float
+    chunk_read_seconds: float
+    read_seconds: float
+
+
+def default_chunks(layout: KVLayout) -> int:
+    """Return the chunks of a default batch: up to 256 MiB, between 2 and 1024 chunks."""
+    fit = _DEFAULT_BYTES // layout.chunk_bytes
+    return max(_MIN_CHUNKS, min(_MAX_DEFAULT_CHUNKS, fit))
+
+
+async def bench_config(config: CacheConfig, *, chunks: int | None = None) -> BenchReport:
+    """Measure every tier of `config`, top first, one at a time.
+
+    See the module docstring for what is written where, and removed.
+
+    Args:
+        config: the cache config; its `[layout]` sets the chunk size and bytes.
+        chunks: chunks per batch (default: `default_chunks`); shared tiers may take fewer.
+
+    Raises:
+        ConfigError: the config has no layout, or a tier's options are invalid.
+    """
+    layout = config.layout
+    if layout is None:
+        raise ConfigError("layout: required to bench: chunk sizes come from the [layout]")
+    registry = TierRegistry()
+    TieredCache(config, registry=registry)  # validates every tier as a real run does
+    device = _device()
+    count = chunks or default_chunks(layout)
+    results = [await _bench_tier(config, tc, count, device, registry) for tc in config.tiers]
+    return BenchReport(layout, device, tuple(results))
+
+
+def _device() -> str:
+    """Return where chunks come from and go to: the current CUDA device, else "host"."""
+    return f"cuda:{torch.cuda.current_device()}" if cuda_available() else "host"
+
+
+async def _bench_tier(
+    config: CacheConfig, tc: TierConfig, count: int, device: str, registry: TierRegistry
+) -> TierBench:
+    """Measure one tier in a cache of its own."""
+    assert config.layout is not None
+    chunk_bytes = config.layout.chunk_bytes
+    on_cpu = _option(tc, "device", "cuda").startswith("cpu")  # the hbm tier's test seam
+    if tc.kind == "hbm" and not on_cpu and not cuda_available():
+        return TierBench(tc.name, tc.kind, "skipped", "no CUDA device is present")
+    block = issubclass(registry.resolve(tc.kind, where=tc.where), BlockTier)
+    bench = TierBench(tc.name, tc.kind, "measured", reads_from=_reads_from(tc))
+    if block:  # the bench's own buffer: the batch's size, not the tier's capacity
+        if tc.capacity_bytes // chunk_bytes < count:
+            count = tc.capacity_bytes // chunk_bytes
+            bench = _note(bench, f"{count} chunks: what its capacity holds")
+        tc = dataclasses.replace(tc, capacity_bytes=count * chunk_bytes)
+    # NOTE: index 0: a cache's slots are numbered by their place in its own cascade.
+    alone = dataclasses.replace(tc, index=0)
+    single = dataclasses.replace(config, tiers=(alone,), metrics=None, events=0)
+    try:
+        async with TieredCache(single, registry=registry) as cache:
+            return await _bench_open(cache, bench, count, device, block=block)
+    except KVTiersError as exc:
+        return dataclasses.replace(bench, status="failed", reason=f"{type(exc).__name__}: {exc}")
+
+
+async def _bench_open(
+    cache: TieredCache, bench: TierBench, count: int, device: str, *, block: bool
+) -> TierBench:
+    """Write, read and remove a batch in `cache`, a cache of the one tier `bench` names."""
+    tier: Tier = cache.tiers[0]
+    layout = cache.layout
+    if not block:
+        fit = _room(tier.usage(), layout)
+        if fit < 1:
+            return dataclasses.replace(bench, status="skipped", reason=_full(tier.usage()))
+        if fit < count:
+            bench = _note(bench, f"{fit} chunks: what its free room holds")
+            count = fit
+    if isinstance(tier, MemoryTier):
+        # NOTE: a running cache touched its buffer long ago; the first touch of each page
+        # (a fault, the kernel zeroing it) would otherwise be timed as the write.
+        tier.buffer.fill(0)
+    salt = f"kvtiers-bench-{secrets.token_hex(16)}"
+    keys = cache.chunk_keys([f"{salt}/{i}" for i in range(count)], salt=salt)
+    evictions = tier.counters.evictions
+    try:
+        timed = await _measure(cache, keys, device)
+    finally:
+        cleanup, clean = await _clean_up(cache, tier, keys, block=block)
+    bench = dataclasses.replace(bench, chunks=count, cleanup=cleanup, clean=clean)
+    evicted = tier.counters.evictions - evictions
+    if evicted:
+        bench = _note(bench, f"the tier evicted {evicted} entries while the bench wrote")
+    if isinstance(timed, str):
+        return dataclasses.replace(bench, status="failed", reason=timed)
+    return _figures(bench, timed, count * layout.chunk_bytes, layout.chunk_bytes)
+
+
+def _figures(bench: TierBench, timed: _Timings, num_bytes: int, chunk_bytes: int) -> TierBench:
+    read_bandwidth = num_bytes / max(timed.read_seconds, 1e-9)
+    return dataclasses.replace(
+        bench,
+        read_bandwidth=read_bandwidth,
+        read_latency=max(0.0, timed.chunk_read_seconds - chunk_bytes / read_bandwidth),
+        chunk_read_seconds=timed.chunk_read_seconds,
+        write_bandwidth=num_bytes / max(timed.write_seconds, 1e-9),
+    )
+
+
+async def _measure(cache: TieredCache, keys: list[ChunkKey], device: str) -> _Timings | str:
+    """Time the batch write, single-chunk reads and batch reads; or say what went wrong."""
+    chunks = _chunks(cache.layout, len(keys), device)
+    sync = _synchronizer(device)
+    start = time.perf_counter()
+    held = await cache.put_chunks(keys, chunks)
+    sync()
+    write_seconds = time.perf_counter() - start
+    if not all(held):
+        return f"the tier took {sum(held)} of {len(keys)} chunks"
+    singles = []
+    for j in range(_LATENCY_READS + 1):
+        i = j % len(keys)
+        start = time.perf_counter()
+        found = await cache.get_chunks([keys[i]], [chunks[i]])
+        sync()
+        singles.append(time.perf_counter() - start)
+        if not found[0]:
+            return f"chunk {i} did not read back"
+    rounds = []
+    for _ in range(_READ_ROUNDS):
+        start = time.perf_counter()
+        found = await cache.get_chunks(keys, chunks)
+        sync()
+        rounds.append(time.perf_counter() - start)
+        if not all(found):
+            return f"a batch read found {sum(found)} of {len(keys)} chunks"
+    # NOTE: the first single read warms up (thread pools, connections); it is not kept.
+    return _Timings(write_seconds, statistics.median(singles[1:]), statistics.median(rounds))
+
+
+def _chunks(layout: KVLayout, count: int, device: str) -> list[Chunk]:
+    """Return `count` chunks of random bytes on `device`, every page touched.
+
+    They are the batch's sources, then its destinations; touched, so no first-touch page
+    fault is timed.
+    """
+    if device == "host":
+        rng = np.random.default_rng()
+        host = np.empty((count, layout.chunk_bytes), dtype=np.uint8)
+        host[:] = rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8)
+        return list(host)
+    raw = torch.randint(0, 256, (count, layout.chunk_bytes), dtype=torch.uint8, device=device)
+    typed = raw.view(torch_dtype(layout)).view(count, *layout.chunk_shape())
+    return list(typed)
+
+
+def _synchronizer(device: str) -> Callable[[], None]:
+    """Return what waits for the device's copies (a CUDA copy returns before it is done)."""
+    if not device.startswith("cuda"):
+        return lambda: None
+    return lambda: torch.cuda.synchronize(device)
+
+
+async def _clean_up(
+    cache: TieredCache, tier: Tier, keys: list[ChunkKey], *, block: bool
+) -> tuple[str, bool]:
+    """Delete the bench's chunks (and a remote tier's access log); say what is left."""
+    try:
+        await cache.clear()
+        if block:
+            return "nothing kept: the bench's own buffer, freed at close", True
+        left = sum(await tier.contains(keys))
+        log_gone = await _discard_access_log(tier)
+    except KVTiersError as exc:
+        return f"could not remove or check its chunks: {exc}", False
+    if left:
+        return f"could not remove {left} of {len(keys)} chunks", False
+    if not log_gone:
+        return "removed its chunks; could not delete its access log", False
+    return "removed every chunk it wrote", True
+
+
+async def _discard_access_log(tier: Tier) -> bool:
+    """Delete a remote tier's access log of the bench; `True` for other tiers."""
+    if tier.kind != "remote":
+        return True
+    from kvtiers.tiers.remote import RemoteTier  # already imported: the tier is one
+
+    return not isinstance(tier, RemoteTier) or await tier.discard_access_log()
+
+
+def _room(usage: TierUsage, layout: KVLayout) -> int:
+    """Return how many chunks fit in a self-evicting tier without evicting anything."""
+    # NOTE: the largest stored form (per-layer checksums and a tag), so never too many.
+    stored = fmt.value_bytes(
+        layout.fingerprint, layout.chunk_bytes, num_layers=layout.num_layers, tagged=True
+    )
+    return max(0, usage.capacity_bytes - usage.used_bytes) // stored
+
+
+def _full(usage: TierUsage) -> str:
+    return (
+        f"no free room (it holds {usage.used_bytes:,} of {usage.capacity_bytes:,} bytes): "
+        "writing would evict real chunks"
+    )
+
+
+def _reads_from(tc: TierConfig) -> str:
+    """Say where a tier's reads of just-written chunks come from."""
+    if tc.kind in ("dram", "hbm"):
+        return "memory"
+    if tc.kind == "lmdb":
+        return "page cache"
+    if tc.kind == "remote":
+        url = _option(tc, "url", "")
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        if protocol in ("file", "local"):
+            return "page cache"
+        return "memory" if protocol == "memory" else "network"
+    return "unknown"
+
+
+def _option(tc: TierConfig, name: str, default: str) -> str:
+    value = tc.options.get(name, default)
+    return value if isinstance(value, str) else default
+
+
+def _note(bench: TierBench, note: str) -> TierBench:
+    return dataclasses.replace(bench, notes=(*bench.notes, note))
