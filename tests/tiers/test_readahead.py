@@ -10,7 +10,7 @@ import pytest
 
 from kvtiers.core.config import TierConfig
 from kvtiers.core.layout import KVLayout
-from kvtiers.tiers import _readahead, _remote_io
+from kvtiers.tiers import _readahead, _remote_fetch
 from kvtiers.tiers._readahead import HINT_AHEAD, ahead_of, will_need
 from kvtiers.tiers.remote import RemoteTier
 
@@ -44,7 +44,7 @@ async def test_big_local_objects_hint_the_next_ones_and_read_back_exact(
         hinted.extend(paths)
         _readahead.will_need(paths)
 
-    monkeypatch.setattr(_remote_io, "will_need", record)
+    monkeypatch.setattr(_remote_fetch, "will_need", record)
     rng = np.random.default_rng(0)
     keys = [rng.bytes(16) for _ in range(8)]
     srcs = [rng.integers(0, 256, BIG.chunk_bytes, dtype=np.uint8) for _ in keys]
