@@ -360,11 +360,14 @@ class Mover(WriteQueues):
         need = [i for i, key in enumerate(keys) if not self._index.tiers_of(key) & 1]
         placed: list[int] = []
         if self._memtop is not None and need:
+            held = sorted(set(range(len(keys))).difference(need))
             await self._make_room(top, len(need), protect=set(keys))
             async with self._memtop.reserve([keys[i] for i in need]) as res:
                 placed = need[: len(res.views)]
                 await source.fill(placed, res.views)
-            self._record_inserts(top, keys, placed)
+            # NOTE: the chunks held already are touched too, or a prefix loaded (and
+            # touched) before its new suffix was inserted would be older than that suffix.
+            self._record_inserts(top, keys, placed, touched=held)
         overflow = need[len(placed) :]
         if overflow:
             await self._put_overflow(keys, source, overflow)

@@ -153,13 +153,25 @@ class Residency:
                     slot.policy.insert(key)
         return flags
 
-    def _record_inserts(self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int]) -> None:
+    def _record_inserts(
+        self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], touched: Sequence[int] = ()
+    ) -> None:
+        """Index the chunks `idxs` of `keys` as held by `slot`, and tell its policy.
+
+        `touched` are chunks of the same request the tier held already: they are touched in
+        the same pass, deepest chunk first, so a prefix ends more recent than its suffix
+        even when the suffix is new (the leaf-first order eviction relies on).
+        """
         for i in idxs:
             if self._index.add(keys, i, slot.idx):
                 self._stored(slot, keys[i])
         if slot.policy is not None:
-            for i in reversed(idxs):
-                slot.policy.insert(keys[i])
+            new = set(idxs)
+            for i in sorted(new.union(touched), reverse=True):
+                if i in new:
+                    slot.policy.insert(keys[i])
+                else:
+                    slot.policy.touch(keys[i])
 
     async def _make_room(self, slot: Slot, count: int, protect: set[ChunkKey]) -> None:
         """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go)."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtiers._replay_full import replay_full, replay_layout, sandbox_config
 from kvtiers.cli import main
@@ -14,7 +17,13 @@ from kvtiers.eviction import available_policies
 from kvtiers.replay import TierSpec, ideal_hits, optimum, read_trace, replay, single_tier
 from kvtiers.tiers import _lmdb_format
 from kvtiers.tiers.lmdb import LMDBTier
-from tests.replay._factories import CONVERSATION, SYNTHETIC, trace_from_chains, write_lines
+from tests.replay._factories import (
+    CONVERSATION,
+    SYNTHETIC,
+    random_chains,
+    trace_from_chains,
+    write_lines,
+)
 
 LAYOUT = replay_layout(512, 1024)  # 1 KiB blocks: the bytes are real, just few
 LIMIT = "100"  # of the synthetic trace: reuse beyond 20 blocks, so lmdb serves some
@@ -57,18 +66,22 @@ async def test_lru_serves_what_the_index_only_mode_serves(path, num_requests, sh
     assert full.tiers[0].bytes_read == full.run.hits * LAYOUT.chunk_bytes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TieredCache touches a request's cached prefix when it loads it and inserts the "
-    "new blocks when they are stored, so a prefix block can be older than its child; the "
-    "one-pass leaf-only victim choice then skips it and evicts a newer block (docs/replay.md)",
-)
 async def test_lru_keeps_prefixes_more_recent_than_their_suffixes(tmp_path):
-    # [4] is newer than [1, 2], yet the cache evicts it first: 2 is older than its child 3.
+    # The store of [1, 2, 3] touches 1 and 2 after inserting 3, so [4], newer than all
+    # three, outlives them (a prefix older than its child would be passed over instead).
     trace = trace_from_chains(tmp_path / "t.jsonl", [[1, 2], [1, 2, 3], [4], [5, 6], [4]])
     tiers = single_tier(4, "lru")
     assert replay(trace, tiers).request_hits[0][4] == 1
     full = await replay_full(trace, tiers, LAYOUT)
+    assert full.run.request_hits == replay(trace, tiers).request_hits
+
+
+@settings(max_examples=60, deadline=None)
+@given(chains=random_chains(max_requests=25), capacity=st.integers(1, 12))
+def test_lru_matches_the_index_only_mode_on_random_tries(tmp_path_factory, chains, capacity):
+    trace = trace_from_chains(tmp_path_factory.mktemp("t") / "t.jsonl", chains)
+    tiers = single_tier(capacity, "lru")
+    full = asyncio.run(replay_full(trace, tiers, LAYOUT))
     assert full.run.request_hits == replay(trace, tiers).request_hits
 
 
