@@ -247,6 +247,9 @@ class Mover(WriteQueues):
             found = await self._get_rest(slot, keys, todo, sink)
         else:
             top = self._slots[0]
+            # NOTE: room in the top tier may demote chunks into this tier (write-back), and
+            # a tier that evicts by itself must not make that room from the chunks we read.
+            slot.tier.touch(todo_keys)
             await self._make_room(top, len(todo), protect=set(keys))
             async with self._memtop.reserve(todo_keys) as res:
                 num = len(res.views)

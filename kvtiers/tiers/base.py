@@ -170,6 +170,15 @@ class Tier(ABC):
     def usage(self) -> TierUsage:
         """Return the tier's capacity and what it holds now."""
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - an optional hook
+        """Record that `keys` are about to be read, as recency for the tier's own eviction.
+
+        For tiers that evict by themselves (`manages_eviction`): the cache calls it before
+        a write that could make the tier evict (a write-back demotion into it) ahead of a
+        read of `keys` from it, so that write does not evict them. Cheap and never fails;
+        unknown keys are ignored. The default does nothing.
+        """
+
     def take_evicted(self) -> list[ChunkKey]:
         """Return, and forget, the keys the tier evicted by itself since the last call.
 

@@ -338,6 +338,13 @@ class LMDBTier(Tier):
         with env.begin(db=dbs.seqs, buffers=True) as txn:
             return [txn.get(key) is not None for key in keys]
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        # docstring inherited
+        # Kept in memory like a read's hits; the next write transaction records it first.
+        if keys:
+            with self._lock:
+                self._touched.append(list(keys))
+
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
         self._ensure_open()

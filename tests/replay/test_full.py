@@ -29,7 +29,9 @@ LAYOUT = replay_layout(512, 1024)  # 1 KiB blocks: the bytes are real, just few
 LIMIT = "100"  # of the synthetic trace: reuse beyond 20 blocks, so lmdb serves some
 
 
-def dram_lmdb_config(tmp_path, *, dram: str = "20KiB", write_policy: str = "write_through"):
+def dram_lmdb_config(
+    tmp_path, *, dram: str = "20KiB", lmdb: str = "512KiB", write_policy: str = "write_through"
+):
     """Write a dram -> lmdb config of 1 KiB blocks whose lmdb path must stay untouched."""
     path = tmp_path / "tiers.toml"
     path.write_text(
@@ -37,7 +39,7 @@ def dram_lmdb_config(tmp_path, *, dram: str = "20KiB", write_policy: str = "writ
         'model = "replay-test"\nnum_layers = 1\nnum_kv_heads = 1\nhead_size = 1\n'
         'dtype = "uint8"\nchunk_size = 512\n\n'
         f'[[tiers]]\nkind = "dram"\ncapacity = "{dram}"\n\n'
-        f'[[tiers]]\nkind = "lmdb"\npath = "{tmp_path / "real-lmdb"}"\ncapacity = "512KiB"\n'
+        f'[[tiers]]\nkind = "lmdb"\npath = "{tmp_path / "real-lmdb"}"\ncapacity = "{lmdb}"\n'
         f'write_policy = "{write_policy}"\n',
         encoding="utf-8",
     )
@@ -137,6 +139,21 @@ def test_dram_lmdb_cascade_reports_lmdb_hits_in_a_sandbox(capsys, tmp_path):
     assert data["mode"] == "full"
     assert data["stored_block_bytes"] == 1024
     assert not (tmp_path / "real-lmdb").exists()
+
+
+def test_promotions_are_not_evicted_by_the_demotions_they_cause(capsys, tmp_path):
+    # Both tiers full: promoting lmdb hits into dram demotes dram's victims into lmdb
+    # (write-back), and lmdb, evicting by itself, must not make that room from the chunks
+    # the same load is about to read (before the cache touched them first, one load here
+    # came up short).
+    config = dram_lmdb_config(tmp_path, dram="100KiB", lmdb="800KiB", write_policy="write_back")
+    argv = [str(SYNTHETIC), "--config", str(config), "--limit", "1000", "--block-bytes", "layout"]
+    status, data, _ = run_cli(capsys, *argv)
+    assert status == 0
+    run = data["runs"][0]
+    assert run["tiers"][1]["hits"] > 0
+    assert run["short_loads"] == 0
+    assert run["verify_failures"] == 0
 
 
 def test_corrupt_lmdb_entries_are_misses_not_failures(capsys, tmp_path, monkeypatch):

@@ -261,6 +261,19 @@ async def test_eviction_takes_the_deepest_chunks_of_the_oldest_chain(tmp_path: P
         assert tier.take_evicted() == []
 
 
+@pytest.mark.parametrize("touch_old", [False, True])
+async def test_a_touch_protects_from_eviction(tmp_path: Path, touch_old: bool) -> None:
+    a, b, c = keys(2), keys(2, seed=1), keys(2, seed=2)
+    async with LMDBTier(make_config(tmp_path / "db", num_chunks=4), SMALL_LAYOUT) as tier:
+        await tier.put(a, payloads(2))
+        await tier.put(b, payloads(2))
+        if touch_old:
+            tier.touch([*a, keys(1, seed=9)[0]])  # an unknown key is ignored
+        await tier.put(c, payloads(2))  # records the touch, then evicts two
+        assert await tier.contains(a) == [touch_old] * 2
+        assert await tier.contains(b) == [not touch_old] * 2
+
+
 @pytest.mark.parametrize("read_old", [False, True])
 async def test_a_read_protects_from_eviction(tmp_path: Path, read_old: bool) -> None:
     a, b, c = keys(2), keys(2, seed=1), keys(2, seed=2)
