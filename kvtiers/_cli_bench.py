@@ -16,9 +16,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtiers._cli_args import positive_int
 from kvtiers.core.config import format_size, load_config
 from kvtiers.core.errors import ConfigError
 from kvtiers.costmodel import TierLink
+from kvtiers.replay.report import format_seconds
 
 if TYPE_CHECKING:
     from kvtiers._tierbench import BenchReport, TierBench
@@ -48,7 +50,7 @@ def add_bench_command(commands: Any) -> None:
     )
     bench.add_argument(
         "--chunks",
-        type=_chunk_count,
+        type=positive_int,
         metavar="N",
         help="chunks per batch (default: up to 256 MiB, 2 to 1024 chunks); a tier that "
         "evicts by itself takes no more than its free room",
@@ -56,16 +58,6 @@ def add_bench_command(commands: Any) -> None:
     bench.add_argument("--json", action="store_true", help="print one JSON object instead")
     bench.add_argument("--out", metavar="FILE", help="write the JSON to FILE (for --tiers-from)")
     bench.set_defaults(run=_run_bench)
-
-
-def _chunk_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -148,8 +140,8 @@ def _row(t: TierBench) -> tuple[str, ...]:
         t.kind,
         f"{t.chunks:,}",
         f"{_gb(t.read_bandwidth)} GB/s",
-        _seconds(t.read_latency),
-        _seconds(t.chunk_read_seconds),
+        format_seconds(t.read_latency),
+        format_seconds(t.chunk_read_seconds),
         f"{_gb(t.write_bandwidth)} GB/s",
         "page cache (warm)" if t.reads_from == "page cache" else t.reads_from,
     )
@@ -164,14 +156,6 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def _gb(bytes_per_s: float) -> str:
     return _significant(bytes_per_s / 1e9)
-
-
-def _seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.0f} us"
 
 
 def _significant(x: float) -> str:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
+from kvtiers._cli_args import positive_int
 from kvtiers._cli_bench import read_tier_links
 from kvtiers._replay_full import DEFAULT_BLOCK_BYTES
 from kvtiers.core.config import CacheConfig, load_config
@@ -148,17 +149,6 @@ def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool
         help="tier bandwidths and latencies measured by `kvtiers bench CONFIG --out FILE`; "
         "--tier flags override them",
     )
-
-
-def positive_int(text: str) -> int:
-    """Parse a command-line integer >= 1 (an argparse `type`)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 # -- replay ----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from kvtiers.replay import (
     format_report,
     summarize_ttft,
 )
+from kvtiers.replay.report import format_seconds, format_table
 from kvtiers.replay.ttft import percentile
 
 __all__ = ["format_full", "full_dict", "run_full"]
@@ -174,10 +175,10 @@ def format_full(
                 *(format_size(s.bytes_read) for s in full.tiers),
                 f"{full.short_loads:,}",
                 "ok" if not full.verify_failures else f"{full.verify_failures:,} FAILED",
-                _secs(full.seconds),
+                format_seconds(full.seconds),
             ]
         )
-    lines += _table(rows)
+    lines += format_table(rows)
     lines += [
         "",
         "index-only: the same replay without bytes (see docs/replay.md for why they may differ);",
@@ -203,15 +204,4 @@ def _quantiles(samples: Sequence[float]) -> dict[str, float]:
 
 def _pair(samples: Sequence[float]) -> list[str]:
     q = _quantiles(samples)
-    return [_secs(q["median"]), _secs(q["p90"])]
-
-
-def _secs(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
-
-
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return [format_seconds(q["median"]), format_seconds(q["p90"])]

@@ -266,7 +266,7 @@ class _Replay:
         self.flush_s.append(time.perf_counter() - stored)
         wrong = np.any(dsts != payloads[:num_hit], axis=1) & np.array(found, dtype=bool)
         self.verify_failures += int(wrong.sum())
-        hit = _leading(found)
+        hit = next((i for i, flag in enumerate(found) if not flag), len(found))
         self.short_loads += hit < num_hit
         served = [tier.counters.hits - b for tier, b in zip(tiers, before, strict=True)]
         for t, count in enumerate(_trim(served, hit)):
@@ -308,15 +308,6 @@ def _request_keys(cache: TieredCache, trace: Trace) -> Iterator[list[ChunkKey]]:
         if len(chain) != len(ids):
             raise TraceError(f"changed since it was read (request {r + 1})", path=trace.path)
         yield chain
-
-
-def _leading(flags: Sequence[bool]) -> int:
-    count = 0
-    for flag in flags:
-        if not flag:
-            break
-        count += 1
-    return count
 
 
 def _trim(served: list[int], hits: int) -> list[int]:

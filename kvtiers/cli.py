@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from kvtiers import __version__
+from kvtiers._cli_args import positive_int as _positive_int
 from kvtiers._cli_bench import add_bench_command
 from kvtiers._cli_replay import add_replay_commands
-from kvtiers._cli_replay import positive_int as _positive_int
 from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, TierConfig, format_size, load_config
 from kvtiers.core.errors import ConfigError, KVTiersError

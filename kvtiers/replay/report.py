@@ -14,7 +14,14 @@ from kvtiers.replay.trace import Trace
 from kvtiers.replay.ttft import CostSetup, TTFTSummary, percentile, summarize_ttft
 from kvtiers.replay.ttft import ttft_without_cache as _ttft_without
 
-__all__ = ["REUSE_RULE", "ReplayReport", "build_report", "format_report"]
+__all__ = [
+    "REUSE_RULE",
+    "ReplayReport",
+    "build_report",
+    "format_report",
+    "format_seconds",
+    "format_table",
+]
 
 #: Below this ideal reuse rate, pooling KV pays little (a rule of thumb).
 REUSE_RULE = 0.30
@@ -215,7 +222,7 @@ def _capacity_table(report: ReplayReport, capacity: int) -> list[str]:
             ["optimum", f"{best.hit_rate:.2%}", _delta(best.hit_rate, lru), "100%"]
             + [""] * (len(header) - 4)
         )
-    return [title, *_table(rows)]
+    return [title, *format_table(rows)]
 
 
 def _run_row(report: ReplayReport, i: int, run: RunResult, lru: RunResult | None) -> list[str]:
@@ -237,8 +244,8 @@ def _run_row(report: ReplayReport, i: int, run: RunResult, lru: RunResult | None
     if report.ttft:
         summary = report.ttft[i]
         row += [
-            _secs(statistics.fmean(summary.with_cache)),
-            _secs(percentile(summary.with_cache, 90)),
+            format_seconds(statistics.fmean(summary.with_cache)),
+            format_seconds(percentile(summary.with_cache, 90)),
             f"{summary.throughput_gain:.2f}x",
         ]
     return row
@@ -250,14 +257,16 @@ def _cost_lines(report: ReplayReport, costs: CostSetup) -> list[str]:
     lines = [
         f"model      {costs.model.name}, {format_size(costs.model.bytes_per_token)} of KV per "
         f"token; {costs.compute.label}",
-        f"no cache   TTFT mean {_secs(statistics.fmean(without))}, "
-        f"p50 {_secs(percentile(without, 50))}, p90 {_secs(percentile(without, 90))}, "
-        f"p99 {_secs(percentile(without, 99))}",
+        f"no cache   TTFT mean {format_seconds(statistics.fmean(without))}, "
+        f"p50 {format_seconds(percentile(without, 50))}, "
+        f"p90 {format_seconds(percentile(without, 90))}, "
+        f"p99 {format_seconds(percentile(without, 99))}",
     ]
     for link, be in zip(costs.links, costs.break_even(median), strict=True):
         verdict = "loading beats recompute" if link.bandwidth > be else "recompute is faster"
         lines.append(
-            f"tier       {link.name}: {link.bandwidth / 1e9:.2f} GB/s, {_secs(link.latency)}; "
+            f"tier       {link.name}: {link.bandwidth / 1e9:.2f} GB/s, "
+            f"{format_seconds(link.latency)}; "
             f"break-even {be / 1e9:.2f} GB/s at the median prompt ({median:,} tokens): {verdict}"
         )
     return lines
@@ -282,12 +291,14 @@ def _delta(rate: float, lru: RunResult | None) -> str:
     return "-" if lru is None else f"{(rate - lru.hit_rate) * 100:+.2f} pp"
 
 
-def _secs(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """Return `s` seconds as text: "1.23 s", "4.5 ms" or "67 us"."""
     if s >= 1:
         return f"{s:.2f} s"
     return f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Return `rows` as lines of left-aligned columns, two spaces apart."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
