@@ -177,6 +177,17 @@ class TierTests:
         assert await tier.get(keys, dsts) == [False, True, False, True]
         assert (dsts[0] == _SENTINEL).all()
 
+    async def test_touch_changes_no_content(self, tier: Tier) -> None:
+        keys = self.keys(3)
+        await tier.put(keys[:2], self.payloads(2))
+        tier.touch([keys[1], keys[2]])  # a held key and an unknown one
+        tier.touch([])
+        assert await tier.contains(keys) == [True, True, False]
+        dsts = self.dsts(2)
+        assert await tier.get(keys[:2], dsts) == [True, True]
+        for dst, src in zip(dsts, self.payloads(2), strict=True):
+            assert np.array_equal(dst, src)
+
     async def test_get_missing_leaves_dst_untouched(self, tier: Tier) -> None:
         dsts = self.dsts(3)
         _, views = self.strided(1)
