@@ -32,7 +32,12 @@ FORMAT_VERSION = 1
 
 _NOTES = {
     "page cache": "page cache: the chunks had just been written, so the OS page cache served\n"
-    "  the reads (warm); a cold read from the disk is slower. The bench drops no caches.",
+    "  the reads (warm); a cold read from the disk is slower. The bench drops no caches\n"
+    "  without --cold.",
+    "disk (cold)": "disk (cold): before each timed read the bench synced the tier's files and\n"
+    "  dropped them from the OS page cache (--cold); at most 1% of their pages stayed.",
+    "partly warm": "partly warm: after the drop more than 1% of the tier's files stayed in\n"
+    "  the page cache, as another process maps them; those reads were partly warm.",
     "network": "network: what the store itself caches is not known.",
 }
 
@@ -55,6 +60,13 @@ def add_bench_command(commands: Any) -> None:
         help="chunks per batch (default: up to 256 MiB, 2 to 1024 chunks); a tier that "
         "evicts by itself takes no more than its free room",
     )
+    bench.add_argument(
+        "--cold",
+        action="store_true",
+        help="read lmdb tiers and remote tiers on a local filesystem from the disk: sync and "
+        "drop their files from the OS page cache before each timed read (no root needed); "
+        "other processes reading those files then read them from the disk too, and slow down",
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object instead")
     bench.add_argument("--out", metavar="FILE", help="write the JSON to FILE (for --tiers-from)")
     bench.set_defaults(run=_run_bench)
@@ -64,7 +76,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from kvtiers._tierbench import bench_config
 
     config = load_config(args.config)
-    report = asyncio.run(bench_config(config, chunks=args.chunks))
+    report = asyncio.run(bench_config(config, chunks=args.chunks, cold=args.cold))
     data = report_dict(report, args.config)
     if args.out:
         try:
@@ -89,6 +101,7 @@ def report_dict(report: BenchReport, config: str) -> dict[str, Any]:
             "fingerprint": layout.fingerprint.hex(),
         },
         "device": report.device,
+        "cold": report.cold,
         "tiers": [{**dataclasses.asdict(t), "notes": list(t.notes)} for t in report.tiers],
         "flags": tier_flags(report),
     }
@@ -124,11 +137,24 @@ def format_bench(report: BenchReport, config: str) -> list[str]:
             lines.append(f"{t.name}: {t.cleanup}")
         lines += [f"{t.name}: {note}" for note in t.notes]
     sources = {t.reads_from for t in report.tiers if t.measured}
-    lines += [note for source, note in _NOTES.items() if source in sources]
+    lines += [note for source, note in _NOTES.items() if any(s.startswith(source) for s in sources)]
+    lines += _cold_lines(report)
     flags = tier_flags(report)
     if flags:
         lines += ["", "for kvtiers replay / plan (or --tiers-from a file from --out):"]
         lines.append(" ".join(flags))
+    return lines
+
+
+def _cold_lines(report: BenchReport) -> list[str]:
+    """Say which tiers' reads were cold, when the bench was asked to make them so."""
+    if not report.cold:
+        return []
+    cold = ", ".join(t.name for t in report.tiers if t.cold) or "none"
+    rest = ", ".join(t.name for t in report.tiers if t.measured and not t.cold)
+    lines = [f"cold (--cold): {cold}"]
+    if rest:
+        lines.append(f"not cold (measured as without --cold): {rest}")
     return lines
 
 

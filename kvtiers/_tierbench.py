@@ -12,9 +12,14 @@ real chunk, and are deleted afterwards (and checked to be gone). A tier that evi
 itself (lmdb, remote) is given no more chunks than its free room holds, so writing them
 evicts nothing; opening it still does what any process's open does (a remote scan expires
 and evicts as configured). A remote tier's access log of the visit is deleted too. Memory
-tiers (dram, hbm) get a buffer of the batch's size instead of their capacity. Nothing makes
-reads cold: chunks just written to a disk tier are read back from the OS page cache, and
-`TierBench.reads_from` says so.
+tiers (dram, hbm) get a buffer of the batch's size instead of their capacity.
+
+Chunks just written to a disk tier are read back from the OS page cache, and
+`TierBench.reads_from` says so, unless `cold` is asked for: then before each timed read the
+files of an lmdb tier, or of a remote tier on a local filesystem, are synced and dropped
+from the page cache (an lmdb tier's cache is closed first and reopened after, as a process
+that maps the file keeps its pages), and `mincore` checks how much stayed. Other processes
+reading those files then read them from the disk too.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtiers._benchcache import BenchCache
 from kvtiers._endpoints import Chunk
 from kvtiers._tensors import torch_dtype
 from kvtiers.cache import TieredCache
@@ -51,6 +57,7 @@ _MIN_CHUNKS = 2  # ...but at least this many chunks...
 _MAX_DEFAULT_CHUNKS = 1024  # ...and at most this many (one object each on a remote store)
 _LATENCY_READS = 9  # single-chunk reads after one warm-up; the median is kept
 _READ_ROUNDS = 3  # batch reads; the median is kept
+_MAX_RESIDENT = 0.01  # a read counts as cold when no more of its tier's files stayed cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +82,13 @@ class TierBench:
     """Bytes per second of the batch write."""
     reads_from: str = ""
     """Where reads were served from: "memory", "page cache" (warm: just written),
-    "network", or "unknown"."""
+    "disk (cold)", "partly warm (…)", "network", or "unknown"."""
+    cold: bool = False
+    """Whether every timed read came from the disk: the tier's files were dropped from the
+    page cache before each, and at most 1% of their pages stayed (`--cold`)."""
+    resident_fraction: float | None = None
+    """With `--cold`, the most of the tier's files found in the page cache after a drop;
+    `None` when its files were not dropped or this could not be checked."""
     cleanup: str = ""
     """What became of the chunks the bench wrote."""
     clean: bool = True
@@ -96,6 +109,8 @@ class BenchReport:
     device: str
     """Where chunks came from and went to: "host" or a CUDA device such as "cuda:0"."""
     tiers: tuple[TierBench, ...]
+    cold: bool = False
+    """Whether the bench was asked for cold reads (`--cold`); each tier's `cold` says if so."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +126,9 @@ def default_chunks(layout: KVLayout) -> int:
     return max(_MIN_CHUNKS, min(_MAX_DEFAULT_CHUNKS, fit))
 
 
-async def bench_config(config: CacheConfig, *, chunks: int | None = None) -> BenchReport:
+async def bench_config(
+    config: CacheConfig, *, chunks: int | None = None, cold: bool = False
+) -> BenchReport:
     """Measure every tier of `config`, top first, one at a time.
 
     See the module docstring for what is written where, and removed.
@@ -119,6 +136,7 @@ async def bench_config(config: CacheConfig, *, chunks: int | None = None) -> Ben
     Args:
         config: the cache config; its `[layout]` sets the chunk size and bytes.
         chunks: chunks per batch (default: `default_chunks`); shared tiers may take fewer.
+        cold: drop the disk tiers' files from the page cache before each timed read.
 
     Raises:
         ConfigError: the config has no layout, or a tier's options are invalid.
@@ -130,8 +148,10 @@ async def bench_config(config: CacheConfig, *, chunks: int | None = None) -> Ben
     TieredCache(config, registry=registry)  # validates every tier as a real run does
     device = _device()
     count = chunks or default_chunks(layout)
-    results = [await _bench_tier(config, tc, count, device, registry) for tc in config.tiers]
-    return BenchReport(layout, device, tuple(results))
+    results = [
+        await _bench_tier(config, tc, count, device, registry, cold=cold) for tc in config.tiers
+    ]
+    return BenchReport(layout, device, tuple(results), cold)
 
 
 def _device() -> str:
@@ -140,7 +160,13 @@ def _device() -> str:
 
 
 async def _bench_tier(
-    config: CacheConfig, tc: TierConfig, count: int, device: str, registry: TierRegistry
+    config: CacheConfig,
+    tc: TierConfig,
+    count: int,
+    device: str,
+    registry: TierRegistry,
+    *,
+    cold: bool,
 ) -> TierBench:
     """Measure one tier in a cache of its own."""
     assert config.layout is not None
@@ -159,17 +185,17 @@ async def _bench_tier(
     alone = dataclasses.replace(tc, index=0)
     single = dataclasses.replace(config, tiers=(alone,), metrics=None, events=0)
     try:
-        async with TieredCache(single, registry=registry) as cache:
-            return await _bench_open(cache, bench, count, device, block=block)
+        async with BenchCache(single, registry, cold=cold) as session:
+            return await _bench_open(session, bench, count, device, block=block)
     except KVTiersError as exc:
         return dataclasses.replace(bench, status="failed", reason=f"{type(exc).__name__}: {exc}")
 
 
 async def _bench_open(
-    cache: TieredCache, bench: TierBench, count: int, device: str, *, block: bool
+    session: BenchCache, bench: TierBench, count: int, device: str, *, block: bool
 ) -> TierBench:
-    """Write, read and remove a batch in `cache`, a cache of the one tier `bench` names."""
-    tier: Tier = cache.tiers[0]
+    """Write, read and remove a batch in the session's cache of the tier `bench` names."""
+    cache, tier = session.cache, session.tier
     layout = cache.layout
     if not block:
         fit = _room(tier.usage(), layout)
@@ -184,17 +210,21 @@ async def _bench_open(
         tier.buffer.fill(0)
     salt = f"kvtiers-bench-{secrets.token_hex(16)}"
     keys = cache.chunk_keys([f"{salt}/{i}" for i in range(count)], salt=salt)
-    evictions = tier.counters.evictions
+    note = session.find_files(keys)
+    if note:
+        bench = _note(bench, note)
     try:
-        timed = await _measure(cache, keys, device)
+        timed = await _measure(session, keys, device)
     finally:
-        cleanup, clean = await _clean_up(cache, tier, keys, block=block)
+        cleanup, clean = await _clean_up(session.cache, session.tier, keys, block=block)
     bench = dataclasses.replace(bench, chunks=count, cleanup=cleanup, clean=clean)
-    evicted = tier.counters.evictions - evictions
+    evicted = session.evicted
     if evicted:
         bench = _note(bench, f"the tier evicted {evicted} entries while the bench wrote")
     if isinstance(timed, str):
         return dataclasses.replace(bench, status="failed", reason=timed)
+    if session.files is not None:
+        bench = _coldness(bench, session.most_resident)
     return _figures(bench, timed, count * layout.chunk_bytes, layout.chunk_bytes)
 
 
@@ -209,29 +239,53 @@ def _figures(bench: TierBench, timed: _Timings, num_bytes: int, chunk_bytes: int
     )
 
 
-async def _measure(cache: TieredCache, keys: list[ChunkKey], device: str) -> _Timings | str:
-    """Time the batch write, single-chunk reads and batch reads; or say what went wrong."""
-    chunks = _chunks(cache.layout, len(keys), device)
+def _coldness(bench: TierBench, resident: float | None) -> TierBench:
+    """Set where a tier's reads came from once its files were dropped before each."""
+    if resident is None:
+        reads_from = "disk (dropped; residency not checked: no mincore)"
+    elif resident <= _MAX_RESIDENT:
+        reads_from = "disk (cold)"
+    else:
+        reads_from = f"partly warm ({resident:.0%} resident: another process maps the file)"
+    cold = resident is not None and resident <= _MAX_RESIDENT
+    return dataclasses.replace(bench, reads_from=reads_from, cold=cold, resident_fraction=resident)
+
+
+async def _measure(session: BenchCache, keys: list[ChunkKey], device: str) -> _Timings | str:
+    """Time the batch write, single-chunk reads and batch reads; or say what went wrong.
+
+    Before each timed read the session drops the tier's files from the page cache (with
+    `--cold`): once for single reads of chunks not yet read since, again for each batch.
+    """
+    chunks = _chunks(session.cache.layout, len(keys), device)
     sync = _synchronizer(device)
     start = time.perf_counter()
-    held = await cache.put_chunks(keys, chunks)
+    held = await session.cache.put_chunks(keys, chunks)
     sync()
     write_seconds = time.perf_counter() - start
     if not all(held):
         return f"the tier took {sum(held)} of {len(keys)} chunks"
-    singles = []
+    singles: list[float] = []
+    read: set[int] = set()
     for j in range(_LATENCY_READS + 1):
         i = j % len(keys)
+        if not read or i in read:
+            if failed := await session.drop():
+                return failed
+            read.clear()
+        read.add(i)
         start = time.perf_counter()
-        found = await cache.get_chunks([keys[i]], [chunks[i]])
+        found = await session.cache.get_chunks([keys[i]], [chunks[i]])
         sync()
         singles.append(time.perf_counter() - start)
         if not found[0]:
             return f"chunk {i} did not read back"
     rounds = []
     for _ in range(_READ_ROUNDS):
+        if failed := await session.drop():
+            return failed
         start = time.perf_counter()
-        found = await cache.get_chunks(keys, chunks)
+        found = await session.cache.get_chunks(keys, chunks)
         sync()
         rounds.append(time.perf_counter() - start)
         if not all(found):
@@ -271,6 +325,9 @@ async def _clean_up(
         await cache.clear()
         if block:
             return "nothing kept: the bench's own buffer, freed at close", True
+        # NOTE: a cache reopened by --cold indexes only what it read since; clear() misses
+        # the rest, so the bench's keys are deleted by name too.
+        await tier.delete(keys)
         left = sum(await tier.contains(keys))
         log_gone = await _discard_access_log(tier)
     except KVTiersError as exc:

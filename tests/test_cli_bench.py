@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import mmap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kvtiers import TieredCache
+from kvtiers import TieredCache, _page_cache
 from kvtiers import _tierbench as tierbench
 from kvtiers._inspect import inspect
 from kvtiers.cli import main
@@ -132,6 +133,73 @@ def test_bench_measures_every_tier_and_leaves_real_data_alone(tmp_path, capsys):
     for tier in (1, 2):
         loaded = asyncio.run(load_from(config, tier, 128))
         assert same_bytes(loaded, kv)
+
+
+def skip_unless_droppable(tmp_path: Path) -> None:
+    """Skip unless files under `tmp_path` can be dropped from the page cache and checked."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 65536)
+    if not _page_cache.can_drop():
+        pytest.skip("this platform has no posix_fadvise")
+    _page_cache.drop([str(probe)])
+    resident = _page_cache.resident_fraction([str(probe)])
+    probe.unlink()
+    if resident is None:
+        pytest.skip("this platform has no mincore")
+    if resident > 0.01:
+        pytest.skip("the temporary directory keeps files in memory (tmpfs)")
+
+
+def test_cold_reads_every_disk_tier_from_the_disk(tmp_path, capsys):
+    skip_unless_droppable(tmp_path)
+    config = write_config(tmp_path)
+    kv = asyncio.run(store_real(config))
+    files, entries = pool_files(tmp_path), lmdb_entries(tmp_path)
+
+    data = bench_json(capsys, str(config), "--chunks", "16", "--cold")
+
+    assert data["cold"] is True
+    for tier in data["tiers"]:
+        assert tier["status"] == "measured", tier
+        assert tier["read_bandwidth"] > 0 and tier["write_bandwidth"] > 0
+        assert tier["chunk_read_seconds"] > 0
+        assert tier["clean"] is True
+    reads = {t["name"]: (t["reads_from"], t["cold"]) for t in data["tiers"]}
+    assert reads == {
+        "dram": ("memory", False),
+        "disk": ("disk (cold)", True),
+        "pool": ("disk (cold)", True),
+    }
+    assert [t["resident_fraction"] for t in data["tiers"]][1:] == [pytest.approx(0, abs=0.01)] * 2
+    assert lmdb_entries(tmp_path) == entries
+    assert pool_files(tmp_path) == files
+    for tier in (1, 2):
+        assert same_bytes(asyncio.run(load_from(config, tier, 128)), kv)
+
+    assert main(["bench", str(config), "--chunks", "4", "--cold"]) == 0
+    out = capsys.readouterr().out
+    assert "disk (cold)" in out and "page cache (warm)" not in out
+    assert "cold (--cold): disk, pool" in out
+    assert "not cold (measured as without --cold): dram" in out
+
+
+def test_cold_says_partly_warm_when_another_map_holds_the_file(tmp_path, capsys):
+    skip_unless_droppable(tmp_path)
+    config = write_config(tmp_path)
+    asyncio.run(store_real(config))
+    with (
+        (tmp_path / "lmdb" / "data.mdb").open("rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as held,
+    ):
+        sum(held[i] for i in range(0, len(held), mmap.PAGESIZE))  # every page mapped in
+        data = bench_json(capsys, str(config), "--chunks", "4", "--cold")
+    disk = data["tiers"][1]
+    assert disk["status"] == "measured" and disk["clean"] is True
+    assert disk["cold"] is False
+    assert disk["resident_fraction"] > 0.01
+    assert disk["reads_from"].startswith("partly warm (")
+    assert disk["reads_from"].endswith("% resident: another process maps the file)")
+    assert data["tiers"][2]["cold"] is True
 
 
 def test_bench_text_prints_a_table_and_the_tier_flags(tmp_path, capsys):
@@ -300,3 +368,17 @@ def test_bench_needs_a_layout(tmp_path, capsys):
     assert main(["bench", str(config)]) == 2
     assert "kvtiers bench: layout: required" in capsys.readouterr().err
     assert main(["bench", str(config), "--chunks", "0"]) == 2
+
+
+def test_cold_a_failed_drop_fails_the_tier_and_still_cleans_up(tmp_path, capsys, monkeypatch):
+    def refuse(paths: object) -> None:
+        raise PermissionError(13, "refused")
+
+    monkeypatch.setattr(_page_cache, "drop", refuse)
+    config = write_config(tmp_path)
+    assert main(["bench", str(config), "--chunks", "4", "--cold", "--json"]) == 1
+    tiers = json.loads(capsys.readouterr().out)["tiers"]
+    assert [t["status"] for t in tiers] == ["measured", "failed", "failed"]
+    assert all("could not drop its files" in t["reason"] for t in tiers[1:])
+    assert all(t["clean"] for t in tiers), tiers
+    assert lmdb_entries(tmp_path) == []

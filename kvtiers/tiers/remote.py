@@ -110,6 +110,12 @@ class RemoteTier(Tier):
         """The path below which this layout's objects live (without the protocol)."""
         return self._objects.namespace
 
+    def object_files(self, keys: Sequence[ChunkKey]) -> list[str] | None:
+        """Return the files of `keys`' objects; `None` unless the store is a local filesystem."""
+        if not self._store.local:
+            return None
+        return [object_path(self.namespace, key) for key in keys]
+
     @property
     def io_counters(self) -> IOCounters:
         """What the requests to the store went through: retries, timeouts, refusals."""
