@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -35,16 +35,9 @@ def drop(paths: Iterable[str]) -> None:
     Raises:
         OSError: a file cannot be opened, synced or advised.
     """
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    for _, fd in _opened(paths):
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def resident_fraction(paths: Iterable[str]) -> float | None:
@@ -57,18 +50,24 @@ def resident_fraction(paths: Iterable[str]) -> float | None:
     if libc is None:
         return None
     resident = total = 0
+    for path, fd in _opened(paths):
+        found, pages = _resident_pages(libc, fd, path)
+        resident += found
+        total += pages
+    return resident / total if total else 0.0
+
+
+def _opened(paths: Iterable[str]) -> Iterator[tuple[str, int]]:
+    """Yield each file of `paths` that exists with a read-only descriptor, closed after."""
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             continue
         try:
-            found, pages = _resident_pages(libc, fd, path)
+            yield path, fd
         finally:
             os.close(fd)
-        resident += found
-        total += pages
-    return resident / total if total else 0.0
 
 
 def _libc() -> ctypes.CDLL | None:
