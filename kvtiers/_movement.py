@@ -144,6 +144,26 @@ class Mover(WriteQueues):
             await self._gather(keys, sink, done)
         return done
 
+    async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Return, for each key on its own (not a chain), whether some tier holds it.
+
+        Local tiers are answered from the index; the keys it places in no local tier are
+        asked of the shared tiers (other processes write them). Pure query: the index is
+        left as it was.
+        """
+        found = [bool(self._index.tiers_of(key) & self._local_bits) for key in keys]
+        rest = [i for i, hit in enumerate(found) if not hit]
+        for slot in self._shared:
+            if not rest:
+                break
+            part = [keys[i] for i in rest]
+            none = [False] * len(part)
+            flags = await self._call(slot, "contains", slot.tier.contains(part), none)
+            for i, flag in zip(rest, flags, strict=True):
+                found[i] = flag
+            rest = [i for i in rest if not found[i]]
+        return found
+
     def held(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Return, for each key, whether the index knows a tier holding it."""
         return [bool(self._index.tiers_of(key)) for key in keys]

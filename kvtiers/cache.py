@@ -404,6 +404,19 @@ class TieredCache:
         self._tally.lookup(len(keys) * size, num_chunks * size, time.perf_counter() - start)
         return num_chunks
 
+    async def contains_keys(self, keys: Any) -> list[bool]:
+        """Return, for each key on its own, whether some tier holds its chunk.
+
+        Unlike `lookup_keys`, the keys need not be a chain: a gap does not end the answer.
+        For engines that keep per-page side data (the state of a hybrid model's recurrent
+        layers at some page boundaries only). No stats are counted.
+
+        Raises:
+            InvalidInputError: a key is not 16 bytes.
+        """
+        self._ensure_open()
+        return await self._mover.contains(_check_keys(keys))
+
     async def get_chunks(
         self, keys: Any, dsts: Any, *, parent: ChunkKey | None = None
     ) -> list[bool]:

@@ -45,6 +45,27 @@ async def test_lookup_keys_counts_the_leading_run_only(layout):
         assert not dsts[3].any()  # a miss leaves its destination untouched
 
 
+async def test_contains_keys_answers_each_key_on_its_own(tmp_path, layout):
+    kv = make_kv(layout, 8 * layout.chunk_size)
+    chunks = chunks_of(kv, layout.chunk_size)
+    want = [True, False, True, False, True, True, False, False]
+    config = make_config(tmp_path, lmdb_chunks=64)
+    async with TieredCache.from_config(config) as cache:
+        keys = cache.chunk_keys(HASHES)
+        for i in (0, 2, 4, 5):
+            await cache.put_chunks(keys[i : i + 1], chunks[i : i + 1])
+        assert await cache.contains_keys(keys) == want  # a gap does not end the answer
+        assert await cache.contains_keys([]) == []
+        await cache.flush()
+    # a restarted server knows nothing in its index: the shared LMDB tier answers
+    async with TieredCache.from_config(config) as cache:
+        keys = cache.chunk_keys(HASHES)
+        assert await cache.contains_keys(keys) == want
+        assert await cache.contains_keys(keys[::-1]) == want[::-1]
+        with pytest.raises(InvalidInputError):
+            await cache.contains_keys([b"short"])
+
+
 async def test_permuted_views_are_filled_in_place(layout):
     # An engine's host pool page seen through a permuted view: (2, L, P, H, D) -> payload order.
     kv = make_kv(layout, 2 * layout.chunk_size)
