@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Mapping
@@ -43,27 +41,15 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.stats import CacheStats
 from kvtiers.integrations._runtime import CACHES, SharedCache, config_identity
+from kvtiers.integrations._sglang_options import BackendOptions, default_config
 from kvtiers.integrations._sglang_pages import PageMap, layout_of
+from kvtiers.integrations._sglang_pools import ExtraPools, PoolPages, fold_hits
 
 __all__ = ["KVTiersStorage", "default_config"]
 
 logger = logging.getLogger("kvtiers.sglang")
 
 _T = TypeVar("_T")
-
-#: Extra-config keys that SGLang's factory or HiCache itself read (passed through).
-_SGLANG_KEYS = frozenset(
-    {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
-)
-#: Extra-config keys of this backend.
-_OWN_KEYS = frozenset({"config", "salt", "timeout", "model_name"})
-_WHERE = "hicache-storage-backend-extra-config"
-
-
-def default_config() -> dict[str, Any]:
-    """Return the tiers used when the extra config names none: one LMDB tier in /tmp."""
-    path = os.path.join(tempfile.gettempdir(), "kvtiers-sglang")
-    return {"tiers": [{"kind": "lmdb", "path": path, "capacity": "16GiB"}]}
 
 
 class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no types
@@ -85,25 +71,12 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         **extra: Any,
     ) -> None:
         self.storage_config = storage_config
-        options = dict(storage_config.extra_config or {})
-        unknown = sorted(set(options) - _SGLANG_KEYS - _OWN_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"{_WHERE}.{unknown[0]}: unknown key; kvtiers reads {', '.join(sorted(_OWN_KEYS))}"
-            )
-        self._source: str | Mapping[str, Any] = options.get("config") or default_config()
-        if not isinstance(self._source, str | Mapping):
-            raise ConfigError(f"{_WHERE}.config: expected a file path or a table")
-        self._salt: str | None = options.get("salt")
-        self._model: str | None = options.get("model_name")
-        try:
-            self._timeout = float(options.get("timeout", 60.0))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{_WHERE}.timeout: expected seconds ({exc})") from exc
-        if not self._timeout > 0:
-            raise ConfigError(f"{_WHERE}.timeout: must be positive")
+        options = BackendOptions.from_extra_config(storage_config.extra_config)
+        self._source, self._salt, self._model = options.source, options.salt, options.model
+        self._timeout = options.timeout
         self._entry: SharedCache | None = None
         self._pages: dict[str, PageMap] = {}
+        self._extras = ExtraPools(options, self._run, self._fail, self._record)
         self.failures: Counter[str] = Counter()
         """Calls that failed (served as misses), by method."""
         self._metrics: dict[str, list[float]] = {
@@ -125,10 +98,21 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self._register(PoolName.KV, mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Register a host pool for the v2 calls; only the KV pool is stored."""
+        """Register a host pool for the v2 calls; an extra pool gets a cache of its own.
+
+        Raises:
+            ConfigError: the pool or its config cannot be used, or the KV pool is not
+                registered yet.
+        """
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if host_pool_name == PoolName.KV:
             self._register(PoolName.KV, host_pool)
+            return
+        if self._entry is None:
+            raise ConfigError(f"hicache host pool {str(host_pool_name)!r}: register KV first")
+        self._extras.register(
+            str(host_pool_name), host_pool, self._entry.cache.layout, self.storage_config
+        )
 
     def _register(self, name: str, pool: Any) -> None:
         layout = layout_of(pool, self.storage_config, self._model)
@@ -151,7 +135,8 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self._pages[str(name)] = pages
 
     def close(self) -> None:
-        """Release the cache (the last user closes it); idempotent."""
+        """Release the caches (the last user closes each); idempotent."""
+        self._extras.close()
         entry, self._entry = self._entry, None
         if entry is not None:
             CACHES.release(entry)
@@ -163,9 +148,12 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
 
     # -- running cache calls from SGLang's threads ---------------------------------
 
-    def _run(self, op: str, make: Any, default: _T) -> _T:
-        """Run `make(cache)` on the cache's loop; a failure or timeout gives `default`."""
-        entry = self._entry
+    def _run(self, op: str, make: Any, default: _T, entry: SharedCache | None = None) -> _T:
+        """Run `make(cache)` on the loop of `entry` (default: the KV cache's).
+
+        A failure or timeout gives `default`.
+        """
+        entry = entry or self._entry
         if entry is None:
             self._fail(op, "no host pool registered yet")
             return default
@@ -220,12 +208,16 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """Return the usable KV prefix; pools other than KV are not stored (no hit)."""
-        if any(t.name != PoolName.KV for t in pool_transfers or []):
-            self._fail("batch_exists_v2", "only the KV pool is stored; extra pools miss")
-            return PoolTransferResult.empty()
+        """Return the usable prefix: the KV hit, cut to what every extra pool restores.
+
+        Each transfer's hit policy says which pages its pool must hold (`fold_hits`).
+        """
         hit = self.batch_exists(keys, extra_info)
-        return PoolTransferResult(hit, {PoolName.KV: hit} if hit else {}, list(range(1, hit + 1)))
+        extra = [t for t in pool_transfers or [] if t.name != PoolName.KV]
+        final, counts, restorable = fold_hits(
+            hit, extra, lambda name: self._extras.present(name, keys[:hit])
+        )
+        return PoolTransferResult(final, counts, restorable)
 
     # -- zero-copy page transfers (v1 and v2) ---------------------------------------
 
@@ -252,7 +244,7 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
-        """Read each transfer's pages into its host pool (the KV pool only)."""
+        """Read each transfer's pages into its host pool; per pool, per key, whether read."""
         return self._transfers("batch_get_v2", transfers, extra_info, write=False)
 
     def batch_set_v2(
@@ -260,14 +252,18 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
-        """Store each transfer's pages from its host pool (the KV pool only)."""
+        """Store each transfer's pages from its host pool; per pool, per key, whether held."""
         return self._transfers("batch_set_v2", transfers, extra_info, write=True)
 
     def _transfers(
         self, op: str, transfers: list[PoolTransfer], extra_info: Any, *, write: bool
     ) -> dict[str, list[bool]]:
         return {
-            t.name: self._transfer(op, t.name, t.keys or [], t.host_indices, extra_info, write)
+            t.name: (
+                self._transfer(op, t.name, t.keys or [], t.host_indices, extra_info, write)
+                if t.name == PoolName.KV
+                else self._extras.transfer(op, str(t.name), t.keys or [], t.host_indices, write)
+            )
             for t in transfers
         }
 
@@ -302,7 +298,9 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self._record(write, sum(flags), time.perf_counter() - start, pages)
         return flags
 
-    def _record(self, write: bool, num_pages: int, seconds: float, pages: PageMap) -> None:
+    def _record(
+        self, write: bool, num_pages: int, seconds: float, pages: PageMap | PoolPages
+    ) -> None:
         kind = "backup" if write else "prefetch"
         self._metrics[f"{kind}_pgs"].append(num_pages)
         gb = num_pages * pages.layout.chunk_bytes / 1e9
@@ -373,7 +371,8 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
             await cache.clear()
             return True
 
-        return self._run("clear", go, False)
+        cleared = [self._run("clear", go, False, entry) for entry in self._extras.entries()]
+        return self._run("clear", go, False) and all(cleared)
 
     def get_stats(self) -> Any:
         """Return SGLang's `StorageMetrics` for the calls since the last call."""

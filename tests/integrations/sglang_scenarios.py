@@ -8,6 +8,7 @@ HiCache's cache controller does. It prints one JSON object: what it checked and 
     python sglang_scenarios.py roundtrip WORKDIR KIND LAYOUT [KIND LAYOUT ...]
     python sglang_scenarios.py store|load WORKDIR KIND LAYOUT local|remote
     python sglang_scenarios.py faults WORKDIR
+    python sglang_scenarios.py hybrid WORKDIR
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
     PoolTransfer,
 )
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -300,6 +304,99 @@ def faults(workdir: Path) -> dict[str, Any]:
     return out
 
 
+def make_mamba_host(slots_: int = 8) -> Any:
+    """Return a real SGLang Mamba state host pool on the CPU (fp32 SSM, bf16 conv states)."""
+    temporal = torch.zeros(LAYERS, slots_, 4, 8, 8, dtype=torch.float32)
+    conv = (torch.zeros(LAYERS, slots_, 16, 3, dtype=torch.bfloat16),)
+    host = MambaPoolHost(
+        MambaStateBufferInfo(temporal=temporal, conv=conv), 2.0, 0,
+        device_capacity=slots_, pin_memory=False, device="cpu", layout="page_first",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    host.temporal_buffer.copy_(torch.randn(host.temporal_buffer.shape, generator=gen))
+    for buf in host.conv_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    return host
+
+
+def state_bytes(host: Any, slot: int) -> bytes:
+    return bytes(host.get_data_page(slot, flat=True).numpy().tobytes())
+
+
+def trailing(name: PoolName, keys: list[str], indices: Any = None, **kw: Any) -> PoolTransfer:
+    policy = kw.pop("hit_policy", PoolHitPolicy.TRAILING_PAGES)
+    return PoolTransfer(name=name, keys=keys, host_indices=indices, hit_policy=policy, **kw)
+
+
+def hybrid(workdir: Path) -> dict[str, Any]:
+    """A hybrid model's Mamba states and SWA window pages beside its KV pages."""
+    out: dict[str, Any] = {}
+    mb, sw = PoolName.MAMBA, PoolName.SWA
+    kv, swa = make_host("mha", "page_first"), make_host("mha", "layer_first")
+    mamba = make_mamba_host()
+    fill_random(kv, 5)
+    fill_random(swa, 6)
+    tiers = lmdb_tiers(workdir)
+    backend = make_backend(kv, tiers, kind="mha")
+    for name, pool in ((PoolName.KV, kv), (mb, mamba), (sw, swa)):
+        backend.register_mem_host_pool_v2(pool, name)
+    keys = keys_for(8, "h")
+    one = lambda i: torch.tensor([i], dtype=torch.int64)  # noqa: E731
+    # the backup thread: KV pages by v1, the states at pages 4 and 8 and the window by v2
+    out["set_kv"] = backend.batch_set_v1(keys, slots(kv, 0, 8))
+    out["set_extra"] = [
+        backend.batch_set_v2([trailing(mb, [keys[3]], one(1))]),
+        backend.batch_set_v2(
+            [trailing(mb, [keys[7]], one(2)), trailing(sw, keys[6:], slots(swa, 3, 2))]
+        ),
+    ]
+    out["lmdb_dirs"] = sorted(p.name for p in workdir.iterdir() if p.name.startswith("lmdb"))
+
+    def exists(query: list[str], *transfers: PoolTransfer) -> list[Any]:
+        r = backend.batch_exists_v2(query, list(transfers))
+        hits = {str(k): v for k, v in r.extra_pool_hit_pages.items()}
+        return [r.kv_hit_pages, hits, r.restorable_prefix_pages]
+
+    out["exists_both"] = exists(keys, trailing(mb, [keys[7]]), trailing(sw, keys[6:]))
+    out["exists_mamba"] = exists(keys, trailing(mb, [keys[7]]))
+    out["exists_cut"] = exists(keys[:6], trailing(mb, [keys[5]]))
+    out["exists_all_pages"] = exists(
+        keys, trailing(sw, keys[6:], hit_policy=PoolHitPolicy.ALL_PAGES)
+    )
+    # the prefetch thread: KV pages, then the state and the window into other slots
+    got = backend.batch_get_v2(
+        [
+            PoolTransfer(name=PoolName.KV, keys=keys, host_indices=slots(kv, 20, 8)),
+            trailing(mb, [keys[7]], one(5)),
+            trailing(sw, keys[6:], slots(swa, 30, 2)),
+        ]
+    )
+    out["get"] = {str(k): v for k, v in got.items()}
+    out["kv_exact"] = page_bytes(kv, slots(kv, 20, 8), 8) == page_bytes(kv, slots(kv, 0, 8), 8)
+    out["mamba_exact"] = state_bytes(mamba, 5) == state_bytes(mamba, 2)
+    out["swa_exact"] = page_bytes(swa, slots(swa, 30, 2), 2) == page_bytes(swa, slots(swa, 3, 2), 2)
+    before = state_bytes(mamba, 6)
+    out["get_missing"] = backend.batch_get_v2([trailing(mb, [keys[5]], one(6))])
+    out["missing_untouched"] = state_bytes(mamba, 6) == before
+    out["unregistered"] = backend.batch_get_v2([trailing(PoolName.INDEXER, [keys[0]], one(0))])
+    out["short_indices"] = backend.batch_set_v2([trailing(sw, keys[6:], slots(swa, 3, 1))])
+    out["failures"] = dict(backend.failures)
+    backend.close()
+    # a restarted server finds the states in the shared LMDB tiers (its index is empty)
+    other = make_backend(kv, tiers, kind="mha")
+    for name, pool in ((PoolName.KV, kv), (mb, mamba)):
+        other.register_mem_host_pool_v2(pool, name)
+    r = other.batch_exists_v2(keys, [trailing(mb, [keys[7]])])
+    out["restarted"] = [r.kv_hit_pages, r.restorable_prefix_pages]
+    out["restarted_get"] = other.batch_get_v2([trailing(mb, [keys[3]], one(7))])
+    out["restarted_exact"] = state_bytes(mamba, 7) == state_bytes(mamba, 1)
+    out["cleared"] = other.clear()
+    r = other.batch_exists_v2(keys, [trailing(mb, [keys[7]])])
+    out["after_clear"] = [r.kv_hit_pages, r.restorable_prefix_pages]
+    other.close()
+    return out
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     name, workdir = sys.argv[1], Path(sys.argv[2])
@@ -316,6 +413,8 @@ def main() -> None:
         result = fn(workdir, args[0], args[1], args[2] == "remote")
     elif name == "faults":
         result = faults(workdir)
+    elif name == "hybrid":
+        result = hybrid(workdir)
     else:
         raise SystemExit(f"unknown scenario {name!r}")
     print("RESULT " + json.dumps(result, default=str))

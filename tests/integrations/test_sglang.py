@@ -93,3 +93,26 @@ def test_failures_are_misses_never_exceptions(sglang_python, tmp_path):
     assert out["exists_after"] == 0
     assert out["corrupt_left"] == 0  # corrupt objects are deleted when found
     assert out["get_gone"] == [False] * 4
+
+
+def test_hybrid_models_extra_pools_round_trip_and_fold_hits(sglang_python, tmp_path):
+    """Mamba states and SWA window pages beside the KV pages, in real SGLang host pools."""
+    out = run(sglang_python, "hybrid", str(tmp_path))
+    assert out["set_kv"] == [True] * 8
+    assert out["set_extra"] == [{"mamba": [True]}, {"mamba": [True], "swa": [True, True]}]
+    assert out["lmdb_dirs"] == ["lmdb", "lmdb-mamba", "lmdb-swa"]  # a cache per pool
+    # states stored at pages 4 and 8, the SWA window at pages 7-8
+    assert out["exists_both"] == [8, {"kv": 8, "mamba": 8, "swa": 8}, [8]]
+    assert out["exists_mamba"] == [8, {"kv": 8, "mamba": 8}, [4, 8]]
+    assert out["exists_cut"] == [4, {"kv": 6, "mamba": 4}, [4]]  # KV hit 6, last state at 4
+    assert out["exists_all_pages"] == [0, {"kv": 8}, []]  # the window lacks pages 1-6
+    assert out["get"] == {"kv": [True] * 8, "mamba": [True], "swa": [True, True]}
+    assert out["kv_exact"] and out["mamba_exact"] and out["swa_exact"]
+    assert out["get_missing"] == {"mamba": [False]} and out["missing_untouched"]
+    assert out["unregistered"] == {"indexer": [False]}
+    assert out["short_indices"] == {"swa": [False, False]}
+    assert out["failures"] == {"batch_get_v2": 1, "batch_set_v2": 1}
+    # a restarted server finds the states in the shared LMDB tier
+    assert out["restarted"] == [8, [4, 8]]
+    assert out["restarted_get"] == {"mamba": [True]} and out["restarted_exact"]
+    assert out["cleared"] and out["after_clear"] == [0, []]

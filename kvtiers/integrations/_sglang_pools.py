@@ -1,0 +1,281 @@
+"""Hybrid models' extra HiCache pools (Mamba state, sliding-window KV, ...) in kvtiers.
+
+Beside its KV pages, a hybrid model keeps pools whose pages SGLang keys by the same page
+hashes: a Mamba pool holds the recurrent state at some page boundaries, an SWA pool the
+last pages of a sliding window. HiCache hands them to the storage layer in its v2 calls
+(`PoolTransfer`), each with a hit policy that says which pages must be present.
+
+A page of such a pool has its own size and shape, so each pool gets a `TieredCache` of its
+own. Its layout treats the page as opaque bytes (one layer, the pool's page size in
+tokens, `size_per_token` uint8 elements each) under the model name plus `#<pool>`, so its
+keys never meet the KV pages' keys. Its tiers are the KV config's, with each LMDB path
+suffixed `-<pool>` (an LMDB environment opens once per process), unless the backend's
+`pools` option names a config for the pool. Pages move by copy through the flat-page
+calls every SGLang host pool has (`get_data_page`, `set_from_flat_data_page`), like
+SGLang's own file backend.
+
+Imports no SGLang module: it reads pools' and transfers' attributes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from kvtiers.cache import TieredCache
+from kvtiers.core.config import CacheConfig, load_config
+from kvtiers.core.errors import ConfigError
+from kvtiers.core.layout import KVLayout
+from kvtiers.integrations._runtime import CACHES, SharedCache, config_identity
+from kvtiers.integrations._sglang_options import BackendOptions
+
+__all__ = ["ExtraPools", "PoolPages", "fold_hits", "pool_config", "pool_layout"]
+
+_WHERE = "hicache host pool"
+
+#: Pools that SGLang shards by tensor-parallel rank even where the KV pages are shared
+#: (an MLA model's Mamba state).
+_RANK_SHARDED = frozenset({"mamba"})
+
+
+def pool_layout(pool: Any, name: str, kv_layout: KVLayout, storage_config: Any) -> KVLayout:
+    """Return the layout of an extra pool's pages: opaque bytes under `model#name`.
+
+    Pages are keyed per rank where the KV pages are (MHA) or SGLang shards the pool
+    (Mamba); else, like MLA pages, as rank 0 of 1 and shared by every rank.
+
+    Raises:
+        ConfigError: the pool has no flat pages, or their size is not whole tokens.
+    """
+    try:
+        page_size = int(getattr(pool, "page_size", 1) or 1)
+        probe = pool.get_dummy_flat_data_page()
+        page_bytes = probe.numel() * probe.element_size()
+    except Exception as exc:
+        raise ConfigError(f"{_WHERE} {name!r}: no flat pages to store ({exc})") from exc
+    if page_bytes <= 0 or page_bytes % page_size:
+        raise ConfigError(
+            f"{_WHERE} {name!r}: a page of {page_bytes} bytes is not {page_size} whole tokens"
+        )
+    sharded = kv_layout.kind == "mha" or name in _RANK_SHARDED
+    return KVLayout(
+        f"{kv_layout.model}#{name}",
+        1,
+        1,
+        page_bytes // page_size,
+        "uint8",
+        page_size,
+        kind="mla",
+        model_revision=kv_layout.model_revision,
+        tp_rank=int(storage_config.tp_rank) if sharded else 0,
+        tp_size=int(storage_config.tp_size) if sharded else 1,
+    )
+
+
+def pool_config(
+    source: str | Mapping[str, Any], own: str | Mapping[str, Any] | None, name: str
+) -> CacheConfig:
+    """Return the config of the cache that holds pool `name`.
+
+    `own` (the pool's entry in the backend's `pools` option) is used as it is. Otherwise
+    the KV config's tiers are taken with each `path` suffixed `-<name>`, and without the
+    metrics endpoint and the event queue (the KV cache serves those).
+
+    Raises:
+        ConfigError: a config cannot be read or is invalid.
+    """
+    if own is not None:
+        return load_config(own)
+    config = load_config(source)
+    tiers = []
+    for tier in config.tiers:
+        options = dict(tier.options)
+        if isinstance(options.get("path"), str):
+            options["path"] = f"{options['path'].rstrip('/')}-{name}"
+        tiers.append(dataclasses.replace(tier, options=MappingProxyType(options)))
+    return dataclasses.replace(config, tiers=tuple(tiers), metrics=None, events=0)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPages:
+    """Copies of one extra pool's pages, as the cache's chunks.
+
+    Args:
+        pool: the SGLang host pool (`MambaPoolHost`, an SWA `MHATokenToKVPoolHost`, ...).
+        layout: its layout (`pool_layout`).
+    """
+
+    pool: Any
+    layout: KVLayout
+
+    def starts(self, keys: Sequence[str], host_indices: torch.Tensor | None) -> list[int] | None:
+        """Return each key's first host slot; `None` unless there is one page per key."""
+        size = self.layout.chunk_size
+        if host_indices is None or host_indices.numel() != len(keys) * size:
+            return None
+        return [int(i) for i in host_indices[::size].tolist()]
+
+    def read_out(self, starts: Sequence[int]) -> list[Any]:
+        """Return each page's bytes (the chunk to store), as the pool gives them."""
+        return [self._bytes(self.pool.get_data_page(start, flat=True)) for start in starts]
+
+    def buffers(self, count: int) -> list[torch.Tensor]:
+        """Return `count` empty flat pages to read chunks into."""
+        return [self.pool.get_dummy_flat_data_page() for _ in range(count)]
+
+    def write_back(self, starts: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
+        """Copy each page read into the pool's slots."""
+        for start, page in zip(starts, pages, strict=True):
+            self.pool.set_from_flat_data_page(start, page)
+
+    @staticmethod
+    def chunk(page: torch.Tensor) -> Any:
+        """Return the chunk view of a flat page (its bytes; shares memory)."""
+        return PoolPages._bytes(page)
+
+    @staticmethod
+    def _bytes(page: torch.Tensor) -> Any:
+        return page.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class ExtraPools:
+    """The extra pools registered with one backend, each in a cache of its own.
+
+    Caches are shared within the process like the KV cache (`CACHES`), by config, pool and
+    layout; each pool's config must name LMDB paths of its own. Calls go through the
+    backend's `run` (a failure or timeout gives the default) and `fail` (log and count).
+
+    Args:
+        options: the backend's options (the KV config, per-pool configs, salt).
+        run: runs `make(cache)` on an entry's loop: `run(op, make, default, entry)`.
+        fail: records a failed call: `fail(op, why)`.
+        record: records a transfer's pages and time: `record(write, pages, seconds, map)`.
+    """
+
+    def __init__(
+        self,
+        options: BackendOptions,
+        run: Callable[..., Any],
+        fail: Callable[[str, object], None],
+        record: Callable[..., None],
+    ) -> None:
+        self._options = options
+        self._run, self._fail, self._record = run, fail, record
+        self._pools: dict[str, tuple[SharedCache, PoolPages]] = {}
+
+    def register(self, name: str, pool: Any, kv_layout: KVLayout, storage_config: Any) -> None:
+        """Open (or share) the cache of pool `name`; a pool registered again replaces it.
+
+        Raises:
+            ConfigError: the pool or its config cannot be used; nothing is kept.
+        """
+        layout = pool_layout(pool, name, kv_layout, storage_config)
+        source, own = self._options.source, self._options.pools.get(name)
+        config = pool_config(source, own, name)
+        key = (config_identity(source if own is None else own), name, layout)
+        entry = CACHES.acquire(key, lambda: TieredCache.from_config(config, layout=layout))
+        old = self._pools.get(name)
+        self._pools[name] = (entry, PoolPages(pool, layout))
+        if old is not None:
+            CACHES.release(old[0])
+
+    def entries(self) -> list[SharedCache]:
+        """Return the caches of every registered pool."""
+        return [entry for entry, _ in self._pools.values()]
+
+    def present(self, name: str, hashes: list[str]) -> list[bool]:
+        """Return, per page hash, whether pool `name`'s cache holds its page."""
+        missed = [False] * len(hashes)
+        found = self._pools.get(name)
+        if found is None:
+            self._fail("batch_exists_v2", f"no registered host pool {name!r}")
+            return missed
+        salt = self._options.salt
+
+        async def go(cache: TieredCache) -> list[bool]:
+            return await cache.contains_keys(cache.chunk_keys(hashes, salt=salt))
+
+        return self._run("batch_exists_v2", go, missed, found[0]) if hashes else []
+
+    def transfer(
+        self, op: str, name: str, keys: list[str], host_indices: Any, write: bool
+    ) -> list[bool]:
+        """Store or read pool `name`'s pages at `host_indices`; per key, whether done."""
+        # NOTE: every rank writes its extra pools: HiCache itself decides which pools a
+        # rank backs up (a Mamba state is per rank even where MLA pages are shared).
+        missed = [False] * len(keys)
+        found = self._pools.get(name)
+        starts = found[1].starts(keys, host_indices) if found is not None and keys else None
+        if found is None or starts is None:
+            if keys:
+                self._fail(op, f"host pool {name!r}: not registered, or not a page per key")
+            return missed
+        entry, pages = found
+        salt, begin = self._options.salt, time.perf_counter()
+        try:
+            bufs = pages.read_out(starts) if write else pages.buffers(len(keys))
+
+            async def go(cache: TieredCache) -> list[bool]:
+                chunk_keys = cache.chunk_keys(keys, salt=salt)
+                if write:
+                    return await cache.put_chunks(chunk_keys, bufs)
+                return await cache.get_chunks(chunk_keys, [pages.chunk(b) for b in bufs])
+
+            flags: list[bool] = self._run(op, go, missed, entry)
+            if not write:
+                hits = [i for i, ok in enumerate(flags) if ok]
+                pages.write_back([starts[i] for i in hits], [bufs[i] for i in hits])
+        except Exception as exc:  # SGLang's own page calls
+            self._fail(op, exc)
+            return missed
+        self._record(write, sum(flags), time.perf_counter() - begin, pages)
+        return flags
+
+    def close(self) -> None:
+        """Release every pool's cache (the last user closes it); idempotent."""
+        pools, self._pools = self._pools, {}
+        for entry, _ in pools.values():
+            CACHES.release(entry)
+
+
+def fold_hits(
+    kv_pages: int, transfers: Sequence[Any], present: Callable[[str], list[bool]]
+) -> tuple[int, dict[str, int], list[int]]:
+    """Fold the KV hit and each extra pool's presence into HiCache's usable prefix.
+
+    `present(name)` says, for each of the first `kv_pages` pages, whether pool `name`
+    holds it. A pool with `"all_pages"` must hold every page up to a prefix length; one
+    with `"trailing_pages"` only the last `len(keys)` pages before it (a Mamba state, an
+    SWA window), so some lengths can be restorable and shorter ones not. A pool of another
+    policy gives no verdict and does not limit the prefix.
+
+    Returns:
+        The usable prefix in pages (the longest length every pool can restore), each
+        pool's own boundary (KV included, absent where 0), and every restorable length.
+    """
+    hit_count: dict[str, int] = {"kv": kv_pages} if kv_pages else {}
+    restorable = list(range(1, kv_pages + 1))
+    for transfer in transfers:
+        if not restorable:
+            break
+        policy = str(getattr(transfer.hit_policy, "value", transfer.hit_policy))
+        if policy not in ("all_pages", "trailing_pages"):
+            continue
+        flags = present(str(transfer.name))
+        if policy == "all_pages":
+            boundary = next((i for i, flag in enumerate(flags) if not flag), len(flags))
+            ok = set(range(1, boundary + 1))
+        else:
+            window = max(1, len(transfer.keys or ()))
+            ok = {n for n in range(1, kv_pages + 1) if all(flags[max(0, n - window) : n])}
+            boundary = max(ok, default=0)
+        if boundary:
+            hit_count[str(transfer.name)] = boundary
+        restorable = [n for n in restorable if n in ok]
+    return (restorable[-1] if restorable else 0), hit_count, restorable

@@ -1,0 +1,176 @@
+"""Extra HiCache pools of hybrid models: the parts that need no SGLang.
+
+The hit fold, the per-pool config and the backend's options are checked here with plain
+stand-ins; the real `MambaPoolHost` and SWA pools run in `test_sglang.py`, in SGLang's own
+virtualenv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvtiers import ConfigError
+from kvtiers.core.layout import KVLayout
+from kvtiers.integrations._sglang_options import BackendOptions, default_config
+from kvtiers.integrations._sglang_pools import PoolPages, fold_hits, pool_config, pool_layout
+
+
+@dataclass
+class Transfer:
+    name: str
+    hit_policy: str
+    keys: list[str] = field(default_factory=list)
+
+
+def fold(kv_pages: int, held: dict[str, set[int]], *transfers: Transfer) -> Any:
+    """Fold with pool `name` holding the 1-based pages in `held[name]`."""
+    return fold_hits(
+        kv_pages,
+        transfers,
+        lambda name: [i + 1 in held.get(name, set()) for i in range(kv_pages)],
+    )
+
+
+def test_no_extra_pool_leaves_the_kv_hit():
+    assert fold(5, {}) == (5, {"kv": 5}, [1, 2, 3, 4, 5])
+    assert fold(0, {}) == (0, {}, [])
+
+
+def test_trailing_pages_restore_only_where_the_window_is_held():
+    mamba = Transfer("mamba", "trailing_pages", ["k"])
+    assert fold(8, {"mamba": {4, 8}}, mamba) == (8, {"kv": 8, "mamba": 8}, [4, 8])
+    assert fold(6, {"mamba": {4, 8}}, mamba) == (4, {"kv": 6, "mamba": 4}, [4])
+    swa = Transfer("swa", "trailing_pages", ["a", "b"])  # a window of two pages
+    assert fold(8, {"swa": {4, 7, 8}}, swa) == (8, {"kv": 8, "swa": 8}, [8])
+    both = fold(8, {"mamba": {4, 8}, "swa": {3, 4, 8}}, mamba, swa)
+    assert both == (4, {"kv": 8, "mamba": 8, "swa": 4}, [4])
+
+
+def test_all_pages_cut_at_the_first_gap_and_unknown_policies_give_no_verdict():
+    dsa = Transfer("indexer", "all_pages")
+    assert fold(5, {"indexer": {1, 2, 4, 5}}, dsa) == (2, {"kv": 5, "indexer": 2}, [1, 2])
+    assert fold(5, {}, dsa) == (0, {"kv": 5}, [])
+    groups = Transfer("deepseek_v4_c4", "block_groups")
+    assert fold(5, {}, groups) == (5, {"kv": 5}, [1, 2, 3, 4, 5])
+
+
+def test_nothing_restorable_stops_the_fold():
+    calls: list[str] = []
+
+    def present(name: str) -> list[bool]:
+        calls.append(name)
+        return [False] * 3
+
+    out = fold_hits(3, [Transfer("a", "all_pages"), Transfer("b", "all_pages")], present)
+    assert out == (0, {"kv": 3}, []) and calls == ["a"]
+
+
+class StandInStatePool:
+    """The flat-page calls of SGLang's MambaPoolHost (one state per slot)."""
+
+    page_size = 1
+
+    def __init__(self, slots: int = 4, nbytes: int = 24) -> None:
+        self.data = torch.arange(slots * nbytes, dtype=torch.int64).to(torch.uint8)
+        self.data = self.data.reshape(slots, nbytes).clone()
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.data[index].clone()
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self.data.shape[1], dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index: int, page: torch.Tensor) -> None:
+        self.data[index].copy_(page)
+
+
+def storage(tp_rank: int = 1, tp_size: int = 2) -> Any:
+    return SimpleNamespace(tp_rank=tp_rank, tp_size=tp_size)
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "rank"),
+    [("mha", "swa", (1, 2)), ("mla", "mamba", (1, 2)), ("mla", "indexer", (0, 1))],
+)
+def test_pool_layout_keys_opaque_pages_per_rank_where_sglang_shards(kind, name, rank):
+    heads = 2 if kind == "mha" else 1
+    kv = KVLayout("m", 4, heads, 8, "bfloat16", 16, kind=kind, tp_rank=0, tp_size=1)
+    layout = pool_layout(StandInStatePool(), name, kv, storage())
+    assert layout.model == f"m#{name}" and layout.dtype == "uint8"
+    assert layout.chunk_bytes == 24 and layout.chunk_size == 1
+    assert (layout.tp_rank, layout.tp_size) == rank
+    assert layout.fingerprint != kv.fingerprint
+
+
+def test_pool_layout_refuses_pools_without_whole_token_pages():
+    class Odd(StandInStatePool):
+        page_size = 5
+
+    kv = KVLayout("m", 4, 2, 8)
+    with pytest.raises(ConfigError, match="whole tokens"):
+        pool_layout(Odd(), "swa", kv, storage())
+    with pytest.raises(ConfigError, match="no flat pages"):
+        pool_layout(object(), "swa", kv, storage())
+
+
+def test_pool_pages_copy_out_and_back():
+    pool = StandInStatePool()
+    pages = PoolPages(pool, KVLayout("m#mamba", 1, 1, 24, "uint8", 1, kind="mla"))
+    assert pages.starts(["a", "b"], torch.tensor([3, 1])) == [3, 1]
+    assert pages.starts(["a", "b"], torch.tensor([3])) is None
+    assert pages.starts(["a"], None) is None
+    want = [bytes(page) for page in pages.read_out([3, 1])]
+    bufs = pages.buffers(2)
+    for buf, raw in zip(bufs, want, strict=True):
+        pages.chunk(buf)[:] = bytearray(raw)  # the chunk view shares the buffer
+    pages.write_back([0, 2], bufs)
+    assert bytes(pool.data[0].numpy()) == want[0] and bytes(pool.data[2].numpy()) == want[1]
+
+
+def test_pool_config_suffixes_lmdb_paths_and_drops_the_endpoints(tmp_path):
+    source = {
+        "tiers": [
+            {"kind": "dram", "capacity": "8MiB"},
+            {"kind": "lmdb", "path": f"{tmp_path}/kv/", "capacity": "64MiB"},
+        ],
+        "events": 16,
+        "metrics": {"port": 9400},
+    }
+    config = pool_config(source, None, "mamba")
+    assert config.tiers[1].options["path"] == f"{tmp_path}/kv-mamba"
+    assert config.tiers[0].capacity_bytes == 8 << 20
+    assert config.metrics is None and config.events == 0
+    own = {"tiers": [{"kind": "dram", "capacity": "1MiB"}]}
+    assert pool_config(source, own, "mamba").tiers[0].capacity_bytes == 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"colour": 1}, "colour: unknown key"),
+        ({"config": 3}, "config: expected"),
+        ({"timeout": "soon"}, "timeout: expected seconds"),
+        ({"timeout": 0}, "timeout: must be positive"),
+        ({"pools": ["mamba"]}, "pools: expected"),
+        ({"pools": {"mamba": 3}}, "pools: expected"),
+    ],
+)
+def test_backend_options_refuse_bad_values(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        BackendOptions.from_extra_config(raw)
+
+
+def test_backend_options_defaults_and_pass_through():
+    options = BackendOptions.from_extra_config({"backend_name": "kvtiers", "interface_v1": 1})
+    assert options.source == default_config() and options.timeout == 60.0
+    assert dict(options.pools) == {}
+    options = BackendOptions.from_extra_config(
+        {"config": "/etc/kvtiers.toml", "salt": "s", "pools": {"mamba": "/etc/m.toml"}}
+    )
+    assert options.source == "/etc/kvtiers.toml" and options.salt == "s"
+    assert dict(options.pools) == {"mamba": "/etc/m.toml"}
