@@ -130,6 +130,12 @@ def test_pool_pages_copy_out_and_back():
         pages.chunk(buf)[:] = bytearray(raw)  # the chunk view shares the buffer
     pages.write_back([0, 2], bufs)
     assert bytes(pool.data[0].numpy()) == want[0] and bytes(pool.data[2].numpy()) == want[1]
+    # staging pages are kept for the next read, up to a few
+    pages.give_back(bufs)
+    again = pages.buffers(3)
+    assert again[0] is bufs[0] and again[1] is bufs[1] and again[2] is not bufs[0]
+    pages.give_back([pages.pool.get_dummy_flat_data_page() for _ in range(20)])
+    assert len(pages.buffers(20)) == 20 and len(pages._spare) == 0
 
 
 def test_pool_config_suffixes_lmdb_paths_and_drops_the_endpoints(tmp_path):
