@@ -230,3 +230,19 @@ async def test_contiguous_byte_chunks_reach_a_lower_tier_without_a_staging_copy(
         assert not any(np.shares_memory(b, wide) for b in bufs_seen) and len(bufs_seen) == 2
         assert await cache.get_chunks(cache.chunk_keys(HASHES[4:6]), dsts[:2]) == [True] * 2
         assert np.array_equal(dsts[0], srcs[0].reshape(-1))
+    # below the size for direct puts, a batch is staged but a lone chunk is not
+    monkeypatch.setattr(_residency, "DIRECT_PUT_BYTES", 2 * layout.chunk_bytes)
+    async with TieredCache.from_config(cfg) as cache:
+        put2 = cache.tiers[0].put
+
+        async def spy2(keys, bufs):
+            bufs_seen.extend(bufs)
+            return await put2(keys, bufs)
+
+        cache.tiers[0].put = spy2
+        bufs_seen.clear()
+        assert await cache.put_chunks(cache.chunk_keys(HASHES[6:8]), srcs[:2]) == [True] * 2
+        assert not any(np.shares_memory(b, s) for b, s in zip(bufs_seen, srcs, strict=False))
+        bufs_seen.clear()
+        assert await cache.put_chunks(cache.chunk_keys(["ee" * 32]), srcs[:1]) == [True]
+        assert np.shares_memory(bufs_seen[0], srcs[0])
