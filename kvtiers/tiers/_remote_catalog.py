@@ -277,6 +277,17 @@ class Catalog:
             self.used_bytes -= entry.size
         return entry is not None
 
+    def learn(self, keys: Sequence[bytes], sizes: Sequence[int | None], now: float) -> None:
+        """Record what a check of the store found: per key, its object's size or `None`.
+
+        An object found is known from now on (if it was not); one found absent is forgotten.
+        """
+        for key, size in zip(keys, sizes, strict=True):
+            if size is None:
+                self.remove(key)
+            elif key not in self._entries:
+                self.add(key, size, now)
+
     def reset(self, objects: Iterable[StoredObject]) -> None:
         """Replace the contents with a scan's `objects`, oldest access first."""
         self._entries.clear()

@@ -10,15 +10,19 @@ an object found missing or deleted leaves it, one written enters it.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.stats import TierCounters
+from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._read_buffers import ReadBuffers
 from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
 from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path
 from kvtiers.tiers._remote_codec import ObjectCodec
+from kvtiers.tiers._remote_deadline import Stragglers
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_layers import LayerPlan, Pieces
 from kvtiers.tiers.base import Buffer
@@ -50,11 +54,45 @@ class ChunkObjects:
         self._store, self._codec, self._catalog, self._log = store, codec, catalog, log
         self._counters, self._buffers = counters, buffers
         self._put_slots = asyncio.Semaphore(store.options.max_in_flight)  # packed values held
+        self.stragglers = Stragglers()
+        """Requests a call stopped waiting for (the tier's, shared with its reads)."""
 
     @property
     def namespace(self) -> str:
         """The path below which this layout's objects live (without the protocol)."""
         return f"{self._store.root}/{self._codec.fingerprint.hex()}"
+
+    async def after_read(
+        self,
+        keys: Sequence[ChunkKey],
+        found: Sequence[tuple[Verdict | None, int]],
+        now: float,
+        deadline: float = math.inf,
+    ) -> None:
+        """Count a batch's reads, record its hits' recency, delete its bad objects.
+
+        `found` holds each key's verdict (`None`: not read) and object size. The deletes
+        are waited for until `deadline` (`time.monotonic()`), then left to run.
+        """
+        counters = self._counters
+        hit_keys, bad = [], []
+        for key, (verdict, size) in zip(keys, found, strict=True):
+            if verdict is Verdict.OK:
+                hit_keys.append(key)
+                if key not in self._catalog:
+                    self._catalog.add(key, size, now)
+            elif verdict is not None:
+                bad.append(key)
+                counters.corrupt += verdict in (Verdict.CORRUPT, Verdict.FORGED)
+                counters.forged += verdict is Verdict.FORGED
+                counters.foreign += verdict is Verdict.FOREIGN
+        counters.hits += len(hit_keys)
+        counters.misses += len(keys) - len(hit_keys)
+        self._catalog.touch(hit_keys, now)
+        self._log.record(hit_keys, now)
+        if bad:
+            budget = max(0.0, deadline - time.monotonic())
+            await self.stragglers.within(budget, [self.delete(bad)], [])
 
     async def info(self, key: ChunkKey) -> dict[str, Any] | None | bool:
         """Return the object's details, `None` if it is missing, `False` if unknown."""

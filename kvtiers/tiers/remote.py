@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -47,7 +46,6 @@ from kvtiers.tiers._readahead import HINT_AHEAD, HINT_MIN_BYTES, ahead_of
 from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all, health_of
 from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path, scan
 from kvtiers.tiers._remote_codec import ObjectCodec
-from kvtiers.tiers._remote_deadline import Stragglers
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_layers import LayerPlan
 from kvtiers.tiers._remote_objects import ChunkObjects
@@ -96,13 +94,13 @@ class RemoteTier(Tier):
         self._catalog = Catalog()
         self._log = AccessLog()
         self._write_lock = asyncio.Lock()  # one put batch or scan at a time: exact accounting
-        self._stragglers = Stragglers()  # reads a call stopped waiting for (read_timeout)
         # whole objects of a local filesystem are read into these (one byte more than a
         # valid object holds, so a longer one shows as such)
         self._buffers = ReadBuffers(self.value_bytes + 1, 2 * self.options.max_in_flight)
         self._objects = ChunkObjects(
             self._store, self._codec, self._catalog, self._log, self.counters, self._buffers
         )
+        self._stragglers = self._objects.stragglers  # requests a call stopped waiting for
         self._scanner = Scanner(self._store, self._log, self.options, self.counters, self.name)
 
     @property
@@ -163,12 +161,12 @@ class RemoteTier(Tier):
             self._store.read_timeout, [self._objects.info(key) for key in keys], False
         )
         self.counters.fail(late, timed_out=True)
-        now = self.clock()
-        for key, info in zip(keys, infos, strict=True):
-            if info is None:
-                self._catalog.remove(key)
-            elif isinstance(info, dict) and key not in self._catalog:
-                self._catalog.add(key, int(info.get("size") or self.value_bytes), now)
+        known = [(key, info) for key, info in zip(keys, infos, strict=True) if info is not False]
+        sizes = [
+            int(i.get("size") or self.value_bytes) if isinstance(i, dict) else None
+            for _, i in known
+        ]
+        self._catalog.learn([key for key, _ in known], sizes, self.clock())
         return [bool(info) for info in infos]
 
     def _list_for_contains(self, num_keys: int) -> bool:
@@ -189,14 +187,9 @@ class RemoteTier(Tier):
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
             return [False] * len(keys)
-        now = self.clock()
-        for key in keys:
-            obj = listing.objects.get(key)
-            if obj is None:
-                self._catalog.remove(key)
-            elif key not in self._catalog:
-                self._catalog.add(key, obj.size, now)
-        return [key in listing.objects for key in keys]
+        objs = [listing.objects.get(key) for key in keys]
+        self._catalog.learn(keys, [o.size if o else None for o in objs], self.clock())
+        return [obj is not None for obj in objs]
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -231,39 +224,9 @@ class RemoteTier(Tier):
         )
         self.counters.fail(late, timed_out=True)
         hits = [verdict is Verdict.OK for verdict, _ in found]
-        await self._after_read(keys, found, deadline)
+        await self._objects.after_read(keys, found, self.clock(), deadline)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
         return hits
-
-    async def _after_read(
-        self,
-        keys: Sequence[ChunkKey],
-        found: Sequence[tuple[Verdict | None, int]],
-        deadline: float = math.inf,
-    ) -> None:
-        """Count a batch's reads, record its hits' recency, delete its bad objects.
-
-        The deletes are waited for until `deadline` (`time.monotonic()`), then left to run.
-        """
-        now = self.clock()
-        hit_keys, bad = [], []
-        for key, (verdict, size) in zip(keys, found, strict=True):
-            if verdict is Verdict.OK:
-                hit_keys.append(key)
-                if key not in self._catalog:
-                    self._catalog.add(key, size, now)
-            elif verdict is not None:
-                bad.append(key)
-                self.counters.corrupt += verdict in (Verdict.CORRUPT, Verdict.FORGED)
-                self.counters.forged += verdict is Verdict.FORGED
-                self.counters.foreign += verdict is Verdict.FOREIGN
-        self.counters.hits += len(hit_keys)
-        self.counters.misses += len(keys) - len(hit_keys)
-        self._catalog.touch(hit_keys, now)
-        self._log.record(hit_keys, now)
-        if bad:
-            budget = max(0.0, deadline - time.monotonic())
-            await self._stragglers.within(budget, [self._objects.delete(bad)], [])
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -375,7 +338,7 @@ class RemoteTier(Tier):
             self._codec.deliver_layers(k, g, plan, d)
             for k, g, d in zip(keys, got, dsts, strict=True)
         )
-        await self._after_read(keys, found, deadline)
+        await self._objects.after_read(keys, found, self.clock(), deadline)
         hits = [verdict is Verdict.OK for verdict, _ in found]
         self.counters.bytes_read += sum(hits) * len(plan.layers) * self.layout.layer_bytes
         return hits

@@ -24,6 +24,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.testing.tiers import SMALL_LAYOUT, TierTests
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._remote_breaker import BreakerState, CircuitBreaker
+from kvtiers.tiers._remote_catalog import Catalog
 from kvtiers.tiers._remote_options import Redactor, display_url
 from kvtiers.tiers.registry import TierRegistry
 from kvtiers.tiers.remote import RemoteTier
@@ -512,6 +513,16 @@ async def test_unreachable_store_at_open_opens_fast_and_serves_misses() -> None:
         assert await tier.get(keys(2), dsts(2)) == [False, False]
         assert await tier.put(keys(2), payloads(2)) == [False, False]
     assert time.perf_counter() - start < 5
+
+
+def test_catalog_learns_what_a_check_found() -> None:
+    catalog = Catalog()
+    catalog.add(b"a" * 16, 10, now=1.0)
+    catalog.add(b"b" * 16, 20, now=2.0)
+    catalog.learn([b"a" * 16, b"b" * 16, b"c" * 16], [99, None, 30], now=5.0)
+    assert b"a" * 16 in catalog and catalog.size_of(b"a" * 16) == 10  # known: kept as it was
+    assert b"b" * 16 not in catalog  # found absent: forgotten
+    assert catalog.size_of(b"c" * 16) == 30 and catalog.used_bytes == 40
 
 
 def test_breaker_opens_probes_and_closes() -> None:
