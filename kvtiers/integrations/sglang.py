@@ -9,7 +9,8 @@ SGLang builds it through its `dynamic` backend::
 The layout (model, TP shard, MLA or not, dtype, page size) is known only when SGLang
 registers its host pool, so the cache is opened then. SGLang's page hashes are mapped to
 chunk keys under the layout's fingerprint (`TieredCache.chunk_keys`); the backend keeps no
-cache state of its own: every call goes to the cache's key-level API.
+cache state of its own: every call goes to the cache's key-level API. A hybrid model's
+extra pools (Mamba state, SWA windows) each get a cache of their own (`_sglang_pools`).
 
 SGLang calls storage backends synchronously from its prefetch and backup threads, where an
 exception would stop the thread for good. So every method here turns a failure into a miss
