@@ -12,6 +12,7 @@ Imports no SGLang module: it reads the pool's attributes only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,8 +167,11 @@ class PageMap:
         size = self.layout.chunk_size
         if host_indices.numel() < count * size:
             raise ValueError(f"{host_indices.numel()} host indices for {count} pages of {size}")
-        starts = host_indices[::size][:count].tolist()
-        base = self.base
+        return self.pages_at(host_indices[::size][:count].tolist())
+
+    def pages_at(self, starts: Sequence[int]) -> list[Any]:
+        """Return the views of the pages that start at host token indices `starts`."""
+        size, base = self.layout.chunk_size, self.base
         if base is not None:
             return [base[:, :, start : start + size] for start in starts]
         return [self.page(int(start)) for start in starts]

@@ -34,8 +34,9 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._runtime import CACHES, SharedCache, config_identity
 from kvtiers.integrations._sglang_options import BackendOptions
+from kvtiers.integrations._sglang_pages import PageMap, layout_of
 
-__all__ = ["ExtraPools", "PoolPages", "fold_hits", "pool_config", "pool_layout"]
+__all__ = ["ExtraPools", "PoolPages", "PoolViews", "fold_hits", "pool_config", "pool_layout"]
 
 _WHERE = "hicache host pool"
 
@@ -110,7 +111,7 @@ class PoolPages:
     state per call, and allocating a page each time cost a tenth of a warm read).
 
     Args:
-        pool: the SGLang host pool (`MambaPoolHost`, an SWA `MHATokenToKVPoolHost`, ...).
+        pool: the SGLang host pool (`MambaPoolHost`, ...).
         layout: its layout (`pool_layout`).
     """
 
@@ -119,7 +120,7 @@ class PoolPages:
     def __init__(self, pool: Any, layout: KVLayout) -> None:
         self.pool = pool
         self.layout = layout
-        self._spare: list[torch.Tensor] = []
+        self._spare: list[Any] = []
         self._lock = threading.Lock()  # SGLang's prefetch and backup threads call at once
 
     def starts(self, keys: Sequence[str], host_indices: torch.Tensor | None) -> list[int] | None:
@@ -129,34 +130,53 @@ class PoolPages:
             return None
         return [int(i) for i in host_indices[::size].tolist()]
 
-    def read_out(self, starts: Sequence[int]) -> list[Any]:
+    def sources(self, starts: Sequence[int]) -> list[Any]:
         """Return each page's bytes (the chunk to store), as the pool gives them."""
-        return [self._bytes(self.pool.get_data_page(start, flat=True)) for start in starts]
+        return [_bytes(self.pool.get_data_page(start, flat=True)) for start in starts]
 
-    def buffers(self, count: int) -> list[torch.Tensor]:
-        """Return `count` flat staging pages to read chunks into (`give_back` when done)."""
+    def targets(self, starts: Sequence[int]) -> list[Any]:
+        """Return a chunk to read each page into (`finish` puts the hits in place)."""
         with self._lock:
-            taken, self._spare = self._spare[:count], self._spare[count:]
-        return taken + [self.pool.get_dummy_flat_data_page() for _ in range(count - len(taken))]
+            taken, self._spare = self._spare[: len(starts)], self._spare[len(starts) :]
+        fresh = len(starts) - len(taken)
+        return taken + [_bytes(self.pool.get_dummy_flat_data_page()) for _ in range(fresh)]
 
-    def give_back(self, pages: Sequence[torch.Tensor]) -> None:
-        """Keep up to a few staging pages for the next read."""
+    def finish(self, starts: Sequence[int], targets: Sequence[Any], hits: Sequence[bool]) -> None:
+        """Copy each page read into the pool's slots; keep a few staging pages."""
+        for start, page, hit in zip(starts, targets, hits, strict=True):
+            if hit:
+                self.pool.set_from_flat_data_page(start, torch.from_numpy(page))
         with self._lock:
-            self._spare.extend(pages[: self._SPARE - len(self._spare)])
+            self._spare.extend(targets[: self._SPARE - len(self._spare)])
 
-    def write_back(self, starts: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
-        """Copy each page read into the pool's slots."""
-        for start, page in zip(starts, pages, strict=True):
-            self.pool.set_from_flat_data_page(start, page)
 
-    @staticmethod
-    def chunk(page: torch.Tensor) -> Any:
-        """Return the chunk view of a flat page (its bytes; shares memory)."""
-        return PoolPages._bytes(page)
+class PoolViews(PoolPages):
+    """A KV-like extra pool's pages (an SWA window, a draft model's KV) read in place.
 
-    @staticmethod
-    def _bytes(page: torch.Tensor) -> Any:
-        return page.contiguous().reshape(-1).view(torch.uint8).numpy()
+    Its pages are payload-order views of the pool's own memory (`PageMap`, as for the KV
+    pool): the tiers read into them and write from them directly; a miss leaves its page
+    untouched.
+    """
+
+    def __init__(self, pages: PageMap) -> None:
+        super().__init__(pages.pool, pages.layout)
+        self.map = pages
+
+    def sources(self, starts: Sequence[int]) -> list[Any]:
+        # docstring inherited
+        return self.map.pages_at(starts)
+
+    def targets(self, starts: Sequence[int]) -> list[Any]:
+        # docstring inherited
+        return self.map.pages_at(starts)
+
+    def finish(self, starts: Sequence[int], targets: Sequence[Any], hits: Sequence[bool]) -> None:
+        # docstring inherited
+        return None
+
+
+def _bytes(page: torch.Tensor) -> Any:
+    return page.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 class ExtraPools:
@@ -190,15 +210,29 @@ class ExtraPools:
         Raises:
             ConfigError: the pool or its config cannot be used; nothing is kept.
         """
-        layout = pool_layout(pool, name, kv_layout, storage_config)
+        pages = self._pages_of(pool, name, kv_layout, storage_config)
+        layout = pages.layout
         source, own = self._options.source, self._options.pools.get(name)
         config = pool_config(source, own, name)
         key = (config_identity(source if own is None else own), name, layout)
         entry = CACHES.acquire(key, lambda: TieredCache.from_config(config, layout=layout))
         old = self._pools.get(name)
-        self._pools[name] = (entry, PoolPages(pool, layout))
+        self._pools[name] = (entry, pages)
         if old is not None:
             CACHES.release(old[0])
+
+    def _pages_of(
+        self, pool: Any, name: str, kv_layout: KVLayout, storage_config: Any
+    ) -> PoolPages:
+        """Return views of a KV-like pool's pages where it has them, else copies."""
+        if hasattr(pool, "kv_buffer") and hasattr(pool, "layer_num"):
+            model = f"{self._options.model or storage_config.model_name or 'sglang-model'}"
+            try:
+                layout = layout_of(pool, storage_config, f"{model}#{name}")
+                return PoolViews(PageMap.of(pool, layout))
+            except (ConfigError, AttributeError, TypeError, ValueError, RuntimeError):
+                pass  # a KV pool kvtiers cannot view: its pages are copied
+        return PoolPages(pool, pool_layout(pool, name, kv_layout, storage_config))
 
     def entries(self) -> list[SharedCache]:
         """Return the caches of every registered pool."""
@@ -234,19 +268,17 @@ class ExtraPools:
         entry, pages = found
         salt, begin = self._options.salt, time.perf_counter()
         try:
-            bufs = pages.read_out(starts) if write else pages.buffers(len(keys))
+            chunks = pages.sources(starts) if write else pages.targets(starts)
 
             async def go(cache: TieredCache) -> list[bool]:
                 chunk_keys = cache.chunk_keys(keys, salt=salt)
                 if write:
-                    return await cache.put_chunks(chunk_keys, bufs)
-                return await cache.get_chunks(chunk_keys, [pages.chunk(b) for b in bufs])
+                    return await cache.put_chunks(chunk_keys, chunks)
+                return await cache.get_chunks(chunk_keys, chunks)
 
             flags: list[bool] = self._run(op, go, missed, entry)
             if not write:
-                hits = [i for i, ok in enumerate(flags) if ok]
-                pages.write_back([starts[i] for i in hits], [bufs[i] for i in hits])
-                pages.give_back(bufs)
+                pages.finish(starts, chunks, flags)
         except Exception as exc:  # SGLang's own page calls
             self._fail(op, exc)
             return missed

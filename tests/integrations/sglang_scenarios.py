@@ -351,6 +351,7 @@ def hybrid(workdir: Path) -> dict[str, Any]:
         ),
     ]
     out["lmdb_dirs"] = sorted(p.name for p in workdir.iterdir() if p.name.startswith("lmdb"))
+    out["page_kinds"] = {n: type(e[1]).__name__ for n, e in backend._extras._pools.items()}
 
     def exists(query: list[str], *transfers: PoolTransfer) -> list[Any]:
         r = backend.batch_exists_v2(query, list(transfers))

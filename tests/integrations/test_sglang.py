@@ -101,6 +101,8 @@ def test_hybrid_models_extra_pools_round_trip_and_fold_hits(sglang_python, tmp_p
     assert out["set_kv"] == [True] * 8
     assert out["set_extra"] == [{"mamba": [True]}, {"mamba": [True], "swa": [True, True]}]
     assert out["lmdb_dirs"] == ["lmdb", "lmdb-mamba", "lmdb-swa"]  # a cache per pool
+    # an SWA pool is a KV pool: read and written in place; a Mamba state is copied
+    assert out["page_kinds"] == {"mamba": "PoolPages", "swa": "PoolViews"}
     # states stored at pages 4 and 8, the SWA window at pages 7-8
     assert out["exists_both"] == [8, {"kv": 8, "mamba": 8, "swa": 8}, [8]]
     assert out["exists_mamba"] == [8, {"kv": 8, "mamba": 8}, [4, 8]]

@@ -124,18 +124,20 @@ def test_pool_pages_copy_out_and_back():
     assert pages.starts(["a", "b"], torch.tensor([3, 1])) == [3, 1]
     assert pages.starts(["a", "b"], torch.tensor([3])) is None
     assert pages.starts(["a"], None) is None
-    want = [bytes(page) for page in pages.read_out([3, 1])]
-    bufs = pages.buffers(2)
-    for buf, raw in zip(bufs, want, strict=True):
-        pages.chunk(buf)[:] = bytearray(raw)  # the chunk view shares the buffer
-    pages.write_back([0, 2], bufs)
+    want = [bytes(page) for page in pages.sources([3, 1])]
+    targets = pages.targets([0, 2, 1])
+    for target, raw in zip(targets, want, strict=False):
+        target[:] = bytearray(raw)  # as a tier fills a chunk
+    before = bytes(pool.data[1].numpy())
+    pages.finish([0, 2, 1], targets, [True, True, False])
     assert bytes(pool.data[0].numpy()) == want[0] and bytes(pool.data[2].numpy()) == want[1]
+    assert bytes(pool.data[1].numpy()) == before  # a miss leaves its slot alone
     # staging pages are kept for the next read, up to a few
-    pages.give_back(bufs)
-    again = pages.buffers(3)
-    assert again[0] is bufs[0] and again[1] is bufs[1] and again[2] is not bufs[0]
-    pages.give_back([pages.pool.get_dummy_flat_data_page() for _ in range(20)])
-    assert len(pages.buffers(20)) == 20 and len(pages._spare) == 0
+    again = pages.targets([0, 1, 2, 3])
+    assert len(again) == 4 and all(a is t for a, t in zip(again, targets, strict=False))
+    assert not any(again[3] is t for t in targets)
+    pages.finish([0] * 20, pages.targets([0] * 20), [False] * 20)
+    assert len(pages._spare) == PoolPages._SPARE
 
 
 def test_pool_config_suffixes_lmdb_paths_and_drops_the_endpoints(tmp_path):
