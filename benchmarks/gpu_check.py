@@ -2,8 +2,9 @@
 
 Usage: `python benchmarks/gpu_check.py [--quick] [--json OUT]` from the repository root.
 
-It prints the machine (GPU name, driver and CUDA versions), runs `pytest -m gpu tests/gpu`,
-then `benchmarks.bench_gpu_copy`: store (D2H gather) and load (H2D scatter) bandwidth for a
+It prints the machine (GPU name, driver and CUDA versions), runs the CUDA-marked tests
+(`pytest -m gpu` over `tests/gpu` and the vLLM worker's pipelined loads), then
+`benchmarks.bench_gpu_copy`: store (D2H gather) and load (H2D scatter) bandwidth for a
 Llama-3-8B layout, 4 GiB moved, against one plain pinned `copy_` of the same bytes (target
 >= 0.85), and how much a store slows a matmul on another stream (target < 10%). It takes
 about a minute. Exit status: 0 when the tests pass and every target is met, 1 when a test
@@ -17,6 +18,9 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+#: Where the CUDA-marked tests are.
+GPU_TESTS = ("tests/gpu", "tests/integrations/test_vllm_worker.py")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_machine(info)
     print()
-    print("## pytest -m gpu tests/gpu", flush=True)
+    print(f"## pytest -m gpu {' '.join(GPU_TESTS)}", flush=True)
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TESTS, "-q", "-p", "no:cacheprovider"],
         cwd=ROOT,
         check=False,
     )

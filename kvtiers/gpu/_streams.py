@@ -97,6 +97,14 @@ class CopyStream:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def hold_current(self, event: Event) -> None:
+        """Make later work on the current stream wait for `event`, on the device.
+
+        The host does not wait: the engine's next kernels are queued behind the copies.
+        """
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)  # type: ignore[arg-type]
+
     def synchronize(self) -> None:
         """Block until every copy issued on the stream has finished (not on the loop)."""
         if self._stream is not None:

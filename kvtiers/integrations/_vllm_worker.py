@@ -3,7 +3,10 @@
 Loads: `start_load` submits one load per request to the cache's loop, of the chunks from
 the one holding vLLM's first uncomputed token on (those before it are in vLLM's blocks
 already, so they are not read again); the first `wait_for_layer` of the step waits for
-them, then each layer's blocks are written as its attention layer asks. Saves: each
+them, then each layer's blocks are written as its attention layer asks. On a CUDA device
+the first `wait_for_layer` instead queues every layer's host-to-device copy on a copy
+stream, one event per layer, and each layer's compute waits only for its own event: the
+copies of later layers overlap the attention of earlier ones. Saves: each
 layer's blocks are gathered into a private staging tensor as the forward pass leaves the
 layer; `finish_step` hands the staged KV to `TieredCache.store` in the background, so
 neither vLLM's blocks nor its forward pass wait for a tier. Every failure is logged,
@@ -28,6 +31,7 @@ import torch
 from kvtiers import TieredCache
 from kvtiers._tensors import torch_dtype
 from kvtiers.core.layout import KVLayout
+from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_plan import (
@@ -110,6 +114,10 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._counts: dict[str, float] = {}
         self._tier_hits = [0] * len(entry.cache.tiers)
+        self._copies = CopyStream(self._device)
+        self._pipelined = self._copies.is_cuda
+        """Whether a step's loads are queued for every layer at once (`_queue_copies`)."""
+        self._layer_events: dict[int, Event] = {}  # this step's queued copies, by layer
 
     # -- loads -------------------------------------------------------------------------
 
@@ -121,7 +129,9 @@ class WorkerSide:
             tokens = tokens_of(spec.tokens)
             first = spec.start // chunk
             staging = torch.empty(
-                self.layout.kv_shape(len(tokens) - first * chunk), dtype=torch_dtype(self.layout)
+                self.layout.kv_shape(len(tokens) - first * chunk),
+                dtype=torch_dtype(self.layout),
+                pin_memory=self._copies.is_cuda,  # copies to the device that do not block
             )
             ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
             try:
@@ -158,13 +168,26 @@ class WorkerSide:
             self._count("loaded_tokens", max(0, job.upto - spec.start))
 
     def wait_for_layer(self, name: str) -> None:
-        """Write layer `name` of every load of this step into vLLM's blocks."""
+        """Write layer `name` of every load of this step into vLLM's blocks.
+
+        On CUDA the first call queues every layer's copies (`_queue_copies`); this layer's
+        compute then waits for its own copies on the device, not on the host.
+        """
         if not self._loads:
             return
         self._resolve_loads()
         i = self._index.get(name)
         if i is None:
             return
+        if self._pipelined:
+            if not self._layer_events:
+                self._queue_copies()
+            self._copies.hold_current(self._layer_events[i])
+            return
+        self._scatter_layer(i)
+
+    def _scatter_layer(self, i: int) -> None:
+        """Write layer `i` of every load of this step into vLLM's blocks."""
         for job in self._loads:
             if i in job.layers_done:
                 continue
@@ -172,8 +195,24 @@ class WorkerSide:
             count = (job.upto - job.spec.start) // self._paged.block_size
             if count <= 0:
                 continue
-            src = job.staging[i, :, job.spec.start - job.base : job.upto - job.base]
-            self._paged.scatter(self._layers[name], job.block_ids[:count], src)
+            whole = job.staging[i]
+            if self._pipelined:
+                # NOTE: the layer's whole staging slab is contiguous pinned memory, so this
+                # copy does not block the host; a token range of it would (a strided
+                # source is first copied into pageable memory), so it is cut on the device.
+                whole = whole.to(self._device, non_blocking=True)
+            src = whole[:, job.spec.start - job.base : job.upto - job.base]
+            self._paged.scatter(self._layers[self._names[i]], job.block_ids[:count], src)
+
+    def _queue_copies(self) -> None:
+        """Queue every layer's copies on the copy stream, recording one event per layer."""
+        # NOTE: the blocks may have held another request's KV that queued kernels still
+        # read: the copies start after everything the compute stream has queued so far.
+        self._copies.wait_current()
+        with self._copies.use():
+            for i in range(len(self._names)):
+                self._scatter_layer(i)
+                self._layer_events[i] = self._copies.record()
 
     def take_failed_blocks(self) -> set[int]:
         """Return the blocks whose load failed since the last call."""
@@ -218,6 +257,7 @@ class WorkerSide:
                 logger.warning("kvtiers: %d layers were never loaded; recomputing", len(missing))
                 self._failed.update(job.spec.block_ids)
         self._loads = []
+        self._layer_events = {}
         saves, self._saves = self._saves, []
         for save in saves:
             try:

@@ -48,7 +48,9 @@ def blocks_of(layers, ids):
     return [layers[n][ids] for n in NAMES]
 
 
-def test_saved_blocks_load_back_into_other_blocks(registry):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["per-layer", "queued"])
+def test_saved_blocks_load_back_into_other_blocks(registry, pipelined):
+    # "queued" runs the CUDA path's logic on the CPU (its stream and events are no-ops)
     src_layers = paged_layers(seed=1)
     saving = worker(registry, src_layers)
     save_ids = (3, 7, 1, 9, 0, 4)  # 48 tokens in six blocks, out of order
@@ -62,6 +64,7 @@ def test_saved_blocks_load_back_into_other_blocks(registry):
 
     dst_layers = paged_layers(seed=None)
     loading = WorkerSide(saving._settings, saving._entry, dst_layers, saving._paged, LAYOUT)
+    loading._pipelined = pipelined
     load_ids = (5, 2, 11, 6)  # tokens 16..48 of the request (skip the first chunk)
     spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, load_ids, start=16, end=48)
     loading.start_load(StepPlan(loads=[spec]))
@@ -145,3 +148,39 @@ def test_layer_order_follows_the_layer_index():
         "model.layers.10.attn",
     ]
     assert layer_order(["b", "a"]) == ["b", "a"]
+
+
+@pytest.mark.gpu
+def test_cuda_loads_queue_every_layer_and_compute_waits_on_the_device(registry):
+    """Flash layout on a CUDA device: copies on the copy stream, one event per layer."""
+    device = torch.device("cuda")
+    shape = (2, NB, BS, LAYOUT.num_kv_heads, LAYOUT.head_size)
+    gen = torch.Generator().manual_seed(5)
+    src = {n: torch.randn(shape, generator=gen).half().to(device) for n in NAMES}
+    dst = {n: torch.zeros(shape, dtype=torch.float16, device=device) for n in NAMES}
+    entry = registry.acquire("k", lambda: TieredCache.from_config(make_config()))
+    paged = PagedLayout("flash", NB, BS, LAYOUT.num_kv_heads, LAYOUT.head_size)
+    saving = WorkerSide(ConnectorSettings(), entry, src, paged, LAYOUT)
+    saving.begin_saves(
+        StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, (3, 7, 1, 9, 0, 4))])
+    )
+    for name in NAMES:
+        saving.save_layer(name, src[name])
+    saving.finish_step()
+    assert saving.flush(10)
+    loading = WorkerSide(ConnectorSettings(), entry, dst, paged, LAYOUT)
+    assert loading._pipelined
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (5, 2, 11, 6), start=16, end=48)
+    loading.start_load(StepPlan(loads=[spec]))
+    assert loading._loads[0].staging.is_pinned()  # so the copies do not block the host
+    loading.wait_for_layer(NAMES[0])
+    assert set(loading._layer_events) == set(range(len(NAMES)))  # every layer queued
+    for name in NAMES[1:]:
+        loading.wait_for_layer(name)
+    after = {n: dst[n] * 1 for n in NAMES}  # queued behind the events on the compute stream
+    loading.finish_step()
+    torch.cuda.synchronize()
+    assert loading.take_failed_blocks() == set()
+    for n in NAMES:
+        assert torch.equal(after[n][:, [5, 2, 11, 6]], src[n][:, [1, 9, 0, 4]])
+    registry.release(entry)
