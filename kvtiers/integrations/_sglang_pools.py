@@ -20,6 +20,7 @@ Imports no SGLang module: it reads pools' and transfers' attributes only.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ from kvtiers.integrations._sglang_pages import PageMap, layout_of
 __all__ = ["ExtraPools", "PoolPages", "PoolViews", "fold_hits", "pool_config", "pool_layout"]
 
 _WHERE = "hicache host pool"
+_OPTIONS = "hicache-storage-backend-extra-config"
 
 #: Pools that SGLang shards by tensor-parallel rank even where the KV pages are shared
 #: (an MLA model's Mamba state).
@@ -92,7 +94,14 @@ def pool_config(
         ConfigError: a config cannot be read or is invalid.
     """
     if own is not None:
-        return load_config(own)
+        config = load_config(own)
+        clash = lmdb_paths(config) & lmdb_paths(load_config(source))
+        if clash:
+            raise ConfigError(
+                f"{_OPTIONS}.pools.{name}: lmdb path {min(clash)!r} is the KV cache's; "
+                f"an LMDB environment opens once per process, so give the pool its own"
+            )
+        return config
     config = load_config(source)
     tiers = []
     for tier in config.tiers:
@@ -101,6 +110,15 @@ def pool_config(
             options["path"] = f"{options['path'].rstrip('/')}-{name}"
         tiers.append(dataclasses.replace(tier, options=MappingProxyType(options)))
     return dataclasses.replace(config, tiers=tuple(tiers), metrics=None, events=0)
+
+
+def lmdb_paths(config: CacheConfig) -> set[str]:
+    """Return the resolved paths of a config's LMDB tiers."""
+    return {
+        os.path.realpath(tier.options["path"])
+        for tier in config.tiers
+        if tier.kind == "lmdb" and isinstance(tier.options.get("path"), str)
+    }
 
 
 class PoolPages:
@@ -214,6 +232,14 @@ class ExtraPools:
         layout = pages.layout
         source, own = self._options.source, self._options.pools.get(name)
         config = pool_config(source, own, name)
+        paths = lmdb_paths(config)
+        for other, (entry_, _) in self._pools.items():
+            shared = paths & lmdb_paths(entry_.cache.config) if other != name else set()
+            if shared:
+                raise ConfigError(
+                    f"{_OPTIONS}.pools.{name}: lmdb path {min(shared)!r} is pool "
+                    f"{other!r}'s; an LMDB environment opens once per process"
+                )
         key = (config_identity(source if own is None else own), name, layout)
         entry = CACHES.acquire(key, lambda: TieredCache.from_config(config, layout=layout))
         old = self._pools.get(name)

@@ -17,7 +17,13 @@ import torch
 from kvtiers import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._sglang_options import BackendOptions, default_config
-from kvtiers.integrations._sglang_pools import PoolPages, fold_hits, pool_config, pool_layout
+from kvtiers.integrations._sglang_pools import (
+    ExtraPools,
+    PoolPages,
+    fold_hits,
+    pool_config,
+    pool_layout,
+)
 
 
 @dataclass
@@ -155,6 +161,10 @@ def test_pool_config_suffixes_lmdb_paths_and_drops_the_endpoints(tmp_path):
     assert config.metrics is None and config.events == 0
     own = {"tiers": [{"kind": "dram", "capacity": "1MiB"}]}
     assert pool_config(source, own, "mamba").tiers[0].capacity_bytes == 1 << 20
+    # a pool's own config may not reuse the KV cache's LMDB environment
+    same = {"tiers": [{"kind": "lmdb", "path": f"{tmp_path}/kv", "capacity": "8MiB"}]}
+    with pytest.raises(ConfigError, match="pools.mamba: lmdb path .* is the KV cache's"):
+        pool_config(source, same, "mamba")
 
 
 @pytest.mark.parametrize(
@@ -182,3 +192,53 @@ def test_backend_options_defaults_and_pass_through():
     )
     assert options.source == "/etc/kvtiers.toml" and options.salt == "s"
     assert dict(options.pools) == {"mamba": "/etc/m.toml"}
+
+
+def test_extra_pools_store_find_and_load_pages_without_sglang(tmp_path):
+    kv_config = {"tiers": [{"kind": "lmdb", "path": f"{tmp_path}/kv", "capacity": "8MiB"}]}
+    options = BackendOptions.from_extra_config({"config": kv_config})
+    failures: list[str] = []
+    pools = ExtraPools(
+        options,
+        lambda op, make, default, entry: entry.loop.run(make(entry.cache)),
+        lambda op, why: failures.append(op),
+        lambda *args: None,
+    )
+    kv = KVLayout("m", 4, 2, 8, "float16", 16)
+    state = StandInStatePool(slots=6)
+    try:
+        pools.register("mamba", state, kv, storage())
+        assert pools.transfer("set", "mamba", ["a", "b"], torch.tensor([0, 1]), True) == [True] * 2
+        assert pools.present("mamba", ["a", "x", "b"]) == [True, False, True]
+        want = [bytes(state.data[i].numpy()) for i in (0, 1)]
+        got = pools.transfer("get", "mamba", ["b", "x", "a"], torch.tensor([3, 4, 5]), False)
+        assert got == [True, False, True]
+        assert bytes(state.data[3].numpy()) == want[1] and bytes(state.data[5].numpy()) == want[0]
+        # not one page per key, or a pool never registered: misses, counted
+        assert pools.transfer("get", "mamba", ["a"], torch.tensor([1, 2]), False) == [False]
+        assert pools.transfer("get", "swa", ["a"], torch.tensor([1]), False) == [False]
+        assert pools.present("swa", ["a"]) == [False]
+        assert failures == ["get", "get", "batch_exists_v2"]
+        assert (tmp_path / "kv-mamba" / "data.mdb").exists()  # its own LMDB environment
+    finally:
+        pools.close()
+    pools.close()  # idempotent
+
+
+def test_two_pools_may_not_share_an_lmdb_environment(tmp_path):
+    own = {"tiers": [{"kind": "lmdb", "path": f"{tmp_path}/side", "capacity": "8MiB"}]}
+    options = BackendOptions.from_extra_config(
+        {
+            "config": {"tiers": [{"kind": "dram", "capacity": "1MiB"}]},
+            "pools": {"mamba": own, "swa": own},
+        }
+    )
+    pools = ExtraPools(options, lambda *a: None, lambda *a: None, lambda *a: None)
+    kv = KVLayout("m", 4, 2, 8, "float16", 16)
+    try:
+        pools.register("mamba", StandInStatePool(), kv, storage())
+        with pytest.raises(ConfigError, match="pools.swa: lmdb path .* is pool 'mamba'"):
+            pools.register("swa", StandInStatePool(), kv, storage())
+        assert len(pools.entries()) == 1
+    finally:
+        pools.close()
