@@ -6,13 +6,16 @@ last pages of a sliding window. HiCache hands them to the storage layer in its v
 (`PoolTransfer`), each with a hit policy that says which pages must be present.
 
 A page of such a pool has its own size and shape, so each pool gets a `TieredCache` of its
-own. Its layout treats the page as opaque bytes (one layer, the pool's page size in
-tokens, `size_per_token` uint8 elements each) under the model name plus `#<pool>`, so its
-keys never meet the KV pages' keys. Its tiers are the KV config's, with each LMDB path
-suffixed `-<pool>` (an LMDB environment opens once per process), unless the backend's
-`pools` option names a config for the pool. Pages move by copy through the flat-page
-calls every SGLang host pool has (`get_data_page`, `set_from_flat_data_page`), like
-SGLang's own file backend.
+own, under the model name plus `#<pool>`, so its keys never meet the KV pages' keys. Its
+tiers are the KV config's, with each LMDB path suffixed `-<pool>` (an LMDB environment
+opens once per process), unless the backend's `pools` option names a config for the pool.
+
+A KV-like pool (an SWA window, a draft model's KV) gets a KV layout and moves in place
+through its page views (`PoolViews`), like the KV pool. Any other pool (Mamba state) is
+stored as opaque bytes (one layer, the pool's page size in tokens, `size_per_token`
+uint8 elements each) and moves by copy through the flat-page calls every SGLang host
+pool has (`get_data_page`, `set_from_flat_data_page`), like SGLang's own file backend
+(`PoolPages`).
 
 Imports no SGLang module: it reads pools' and transfers' attributes only.
 """
