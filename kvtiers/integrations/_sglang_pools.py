@@ -267,6 +267,10 @@ class ExtraPools:
         """Return the caches of every registered pool."""
         return [entry for entry, _ in self._pools.values()]
 
+    def named_entries(self) -> list[tuple[str, SharedCache]]:
+        """Return each registered pool's name and cache."""
+        return [(name, entry) for name, (entry, _) in self._pools.items()]
+
     def present(self, name: str, hashes: list[str]) -> list[bool]:
         """Return, per page hash, whether pool `name`'s cache holds its page."""
         missed = [False] * len(hashes)

@@ -386,9 +386,12 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         return metrics
 
     def kvtiers_stats(self) -> CacheStats | None:
-        """Return the cache's own counters (hits, tiers, miss reasons)."""
-        cache = self.cache
-        return cache.stats() if cache is not None else None
+        """Return the KV cache's own counters (hits, tiers, miss reasons)."""
+        return self.cache.stats() if self.cache is not None else None
+
+    def pool_stats(self) -> dict[str, CacheStats]:
+        """Return each extra pool's cache counters, by pool name."""
+        return {name: entry.cache.stats() for name, entry in self._extras.named_entries()}
 
 
 async def _within(op: Awaitable[_T], timeout: float) -> _T:

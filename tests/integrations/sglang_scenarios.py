@@ -382,6 +382,7 @@ def hybrid(workdir: Path) -> dict[str, Any]:
     out["unregistered"] = backend.batch_get_v2([trailing(PoolName.INDEXER, [keys[0]], one(0))])
     out["short_indices"] = backend.batch_set_v2([trailing(sw, keys[6:], slots(swa, 3, 1))])
     out["failures"] = dict(backend.failures)
+    out["pool_loaded"] = {n: st.loaded_tokens for n, st in backend.pool_stats().items()}
     backend.close()
     # a restarted server finds the states in the shared LMDB tiers (its index is empty)
     other = make_backend(kv, tiers, kind="mha")
