@@ -101,6 +101,7 @@ class TieredCache:
         self._stack = AsyncExitStack()
         self._engines: dict[torch.device, CopyEngine] = {}
         self._metrics: MetricsServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that opened it
         self._tally = CallTally()
 
     @classmethod
@@ -129,8 +130,25 @@ class TieredCache:
     def _metric_labels(self) -> dict[str, str]:
         return {"model": self.layout.model, "tp_rank": str(self.layout.tp_rank)}
 
-    async def _snapshot(self) -> CacheStats:
-        return self.stats()
+    async def _snapshot(self) -> CacheStats | None:
+        return None if self._state is CacheState.CLOSED else self.stats()
+
+    def serve_metrics_of(self, other: TieredCache) -> bool:
+        """Serve `other`'s metrics on this cache's endpoint too, while `other` is open.
+
+        For caches that one engine uses side by side (an SGLang hybrid model's extra
+        pools): one endpoint to scrape. `other`'s samples carry its own labels (its
+        layout's model and TP rank), and its stats are read on the loop that opened it.
+        Callable from any thread; serving `other` again is a no-op.
+
+        Returns:
+            Whether this cache serves metrics (without a `[metrics]` table, or before
+            `open`, nothing is kept).
+        """
+        loop = other._loop
+        if self._metrics is None or loop is None or other is self:
+            return False
+        return self._metrics.add_source(id(other), other._snapshot, loop, other._metric_labels())
 
     @property
     def state(self) -> CacheState:
@@ -150,6 +168,7 @@ class TieredCache:
         """
         if self._state is not CacheState.UNOPENED:
             raise CacheStateError(f"a cache can be opened once; this one is {self._state.name}")
+        self._loop = asyncio.get_running_loop()
         try:
             for slot in self._slots:
                 await self._stack.enter_async_context(slot.tier)

@@ -15,9 +15,9 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Hashable, Iterator
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 from kvtiers.core.config import MetricsConfig
 from kvtiers.core.stats import CacheStats, LatencySnapshot, TierStats
@@ -167,29 +167,72 @@ def _store_families(tiers: tuple[TierStats, ...], names: list[str], values: list
         yield family
 
 
-class _Collector:
-    """Read a snapshot on the cache's loop at each scrape."""
+class _Source(NamedTuple):
+    """One cache whose stats an endpoint serves."""
 
-    def __init__(
-        self,
-        snapshot: Callable[[], Coroutine[Any, Any, CacheStats]],
-        loop: asyncio.AbstractEventLoop,
-        labels: dict[str, str],
-    ) -> None:
-        self._snapshot = snapshot
-        self._loop = loop
-        self._labels = labels
+    snapshot: Callable[[], Coroutine[Any, Any, CacheStats | None]]
+    """Returns the cache's stats, or `None` once the cache is closed."""
+    loop: asyncio.AbstractEventLoop
+    """The loop the snapshot runs on (the cache's own)."""
+    labels: dict[str, str]
+    """The cache's constant labels."""
+
+
+class _Collector:
+    """Read each source's snapshot on its cache's loop at each scrape.
+
+    Families of the same name from several sources are merged into one, so each metric
+    has one `# HELP` and `# TYPE` line whatever the number of caches.
+    """
+
+    def __init__(self, first: _Source) -> None:
+        self._first = first
+        self._lock = threading.Lock()
+        self._more: dict[Hashable, _Source] = {}
+
+    def add(self, key: Hashable, source: _Source) -> None:
+        with self._lock:
+            self._more[key] = source
+
+    def remove(self, key: Hashable) -> None:
+        with self._lock:
+            self._more.pop(key, None)
 
     def collect(self) -> Iterator[Any]:
-        if self._loop.is_closed():
-            return
-        snapshot: Coroutine[Any, Any, CacheStats] = self._snapshot()
-        future = asyncio.run_coroutine_threadsafe(snapshot, self._loop)
-        yield from metric_families(future.result(_SCRAPE_TIMEOUT_S), self._labels)
+        with self._lock:
+            more = list(self._more.items())
+        merged: dict[str, Any] = {}
+        for key, source in [(None, self._first), *more]:
+            stats = _take(source)
+            if stats is None:
+                if key is not None:
+                    self.remove(key)  # a closed cache leaves the endpoint
+                continue
+            for family in metric_families(stats, source.labels):
+                have = merged.setdefault(family.name, family)
+                if have is not family:
+                    have.samples.extend(family.samples)
+        yield from merged.values()
+
+
+def _take(source: _Source) -> CacheStats | None:
+    """Return `source`'s stats, or `None` when its cache or loop is closed."""
+    if source.loop.is_closed():
+        return None
+    snapshot = source.snapshot()
+    try:
+        future = asyncio.run_coroutine_threadsafe(snapshot, source.loop)
+    except RuntimeError:  # the loop closed meanwhile
+        snapshot.close()
+        return None
+    return future.result(_SCRAPE_TIMEOUT_S)
 
 
 class MetricsServer:
     """An HTTP endpoint serving one cache's metrics; an async context manager.
+
+    `add_source` lets it serve other caches' metrics beside its own (an engine adapter's
+    extra pools), each under its own labels.
 
     Args:
         config: where to listen.
@@ -200,16 +243,41 @@ class MetricsServer:
     def __init__(
         self,
         config: MetricsConfig,
-        snapshot: Callable[[], Coroutine[Any, Any, CacheStats]],
+        snapshot: Callable[[], Coroutine[Any, Any, CacheStats | None]],
         labels: dict[str, str],
     ) -> None:
         self.config = config
         self._snapshot = snapshot
         self._labels = labels
+        self._collector: _Collector | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
         """`http://host:port/metrics` once started; `None` when not serving."""
+
+    def add_source(
+        self,
+        key: Hashable,
+        snapshot: Callable[[], Coroutine[Any, Any, CacheStats | None]],
+        loop: asyncio.AbstractEventLoop,
+        labels: dict[str, str],
+    ) -> bool:
+        """Serve another cache's stats too, until its snapshot returns `None`; thread-safe.
+
+        Args:
+            key: names the source; adding a key again replaces it.
+            snapshot: returns the other cache's stats, or `None` once it is closed.
+            loop: the loop `snapshot` runs on.
+            labels: the other cache's constant labels (the same names as this cache's).
+
+        Returns:
+            Whether the endpoint is serving (if not, nothing is kept).
+        """
+        collector = self._collector
+        if collector is None:
+            return False
+        collector.add(key, _Source(snapshot, loop, labels))
+        return True
 
     async def __aenter__(self) -> Self:
         try:
@@ -221,13 +289,15 @@ class MetricsServer:
             )
             return self
         registry = CollectorRegistry(auto_describe=False)
-        collector = _Collector(self._snapshot, asyncio.get_running_loop(), self._labels)
+        first = _Source(self._snapshot, asyncio.get_running_loop(), self._labels)
+        collector = _Collector(first)
         registry.register(collector)
         self._server, self._thread = start_http_server(
             self.config.port, self.config.host, registry=registry
         )
         port = self._server.server_port
         self.url = f"http://{self.config.host}:{port}/metrics"
+        self._collector = collector
         logger.info("kvtiers: metrics on %s", self.url)
         return self
 
@@ -242,6 +312,7 @@ class MetricsServer:
     async def aclose(self) -> None:
         """Stop serving; idempotent."""
         server, self._server = self._server, None
+        self._collector = None
         if server is not None:
             # NOTE: shutdown waits for the serving thread; run it off the loop, since a
             # scrape in flight waits on the loop for its snapshot.

@@ -284,3 +284,51 @@ async def test_each_miss_reason_is_counted_once_in_the_scrape(tmp_path, layout, 
         if name == "kvtiers_misses_total"
     }
     assert reasons == {reason: 1}
+
+
+def scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+async def test_one_endpoint_serves_other_caches_under_their_own_labels(layout):
+    from kvtiers.integrations._runtime import LoopThread
+
+    other_config = make_config(layout={"model": "tiny#mamba"})
+    elsewhere = LoopThread("other-cache")  # the other cache lives on a loop of its own
+    other = TieredCache.from_config(other_config)
+    try:
+        elsewhere.run(other.open())
+        elsewhere.run(other.store(list(range(32)), make_kv(other.layout, 32)))
+        async with TieredCache.from_config(metrics_config()) as cache:
+            assert cache.serve_metrics_of(other)
+            assert cache.serve_metrics_of(other)  # again: still one source
+            await cache.store(list(range(16)), make_kv(layout, 16))
+            text = await asyncio.to_thread(scrape_text, cache.metrics_url)
+            assert text.count("# TYPE kvtiers_stored_tokens") == 1  # families merged
+            stored = {
+                s.labels["model"]: s.value
+                for f in parser.text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "kvtiers_stored_tokens_total"
+            }
+            assert stored == {layout.model: 16, "tiny#mamba": 32}
+            elsewhere.run(other.close())
+            text = await asyncio.to_thread(scrape_text, cache.metrics_url)
+            assert "tiny#mamba" not in text  # a closed cache leaves the endpoint
+            assert f'model="{layout.model}"' in text
+    finally:
+        elsewhere.run(other.close())
+        elsewhere.stop()
+
+
+async def test_serving_others_needs_an_endpoint(layout):
+    async with (
+        TieredCache.from_config(make_config()) as cache,
+        TieredCache.from_config(make_config(layout={"model": "other"})) as other,
+    ):
+        assert not cache.serve_metrics_of(other)  # no [metrics] table
+    unopened = TieredCache.from_config(make_config(layout={"model": "other"}))
+    async with TieredCache.from_config(metrics_config()) as cache:
+        assert not cache.serve_metrics_of(unopened)  # never opened: no loop to read on
+        assert not cache.serve_metrics_of(cache)

@@ -225,8 +225,13 @@ class ExtraPools:
         self._run, self._fail, self._record = run, fail, record
         self._pools: dict[str, tuple[SharedCache, PoolPages]] = {}
 
-    def register(self, name: str, pool: Any, kv_layout: KVLayout, storage_config: Any) -> None:
+    def register(
+        self, name: str, pool: Any, kv_layout: KVLayout, storage_config: Any
+    ) -> TieredCache:
         """Open (or share) the cache of pool `name`; a pool registered again replaces it.
+
+        Returns:
+            The pool's cache.
 
         Raises:
             ConfigError: the pool or its config cannot be used; nothing is kept.
@@ -249,6 +254,7 @@ class ExtraPools:
         self._pools[name] = (entry, pages)
         if old is not None:
             CACHES.release(old[0])
+        return entry.cache
 
     def _pages_of(
         self, pool: Any, name: str, kv_layout: KVLayout, storage_config: Any

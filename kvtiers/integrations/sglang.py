@@ -111,9 +111,9 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
             return
         if self._entry is None:
             raise ConfigError(f"hicache host pool {str(host_pool_name)!r}: register KV first")
-        self._extras.register(
-            str(host_pool_name), host_pool, self._entry.cache.layout, self.storage_config
-        )
+        kv = self._entry.cache
+        pool = self._extras.register(str(host_pool_name), host_pool, kv.layout, self.storage_config)
+        kv.serve_metrics_of(pool)  # one endpoint: the KV cache's `[metrics]`
 
     def _register(self, name: str, pool: Any) -> None:
         layout = layout_of(pool, self.storage_config, self._model)

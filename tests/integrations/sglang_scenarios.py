@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,16 @@ def make_backend(host: Any, tiers: dict[str, Any], *, kind: str, v1: bool = True
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
     backend.register_mem_pool_host(host)
     return backend
+
+
+def scraped(url: str, family: str) -> dict[str, float]:
+    """Return one family's samples on the metrics endpoint at `url`, by model label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    found = [f for f in text_string_to_metric_families(text) if f.name == family]
+    return {s.labels["model"]: s.value for f in found for s in f.samples}
 
 
 def lmdb_tiers(workdir: Path, *, remote: bool = False) -> dict[str, Any]:
@@ -336,7 +347,7 @@ def hybrid(workdir: Path) -> dict[str, Any]:
     mamba = make_mamba_host()
     fill_random(kv, 5)
     fill_random(swa, 6)
-    tiers = lmdb_tiers(workdir)
+    tiers = {**lmdb_tiers(workdir), "metrics": {"port": 0}}
     backend = make_backend(kv, tiers, kind="mha")
     for name, pool in ((PoolName.KV, kv), (mb, mamba), (sw, swa)):
         backend.register_mem_host_pool_v2(pool, name)
@@ -383,6 +394,7 @@ def hybrid(workdir: Path) -> dict[str, Any]:
     out["short_indices"] = backend.batch_set_v2([trailing(sw, keys[6:], slots(swa, 3, 1))])
     out["failures"] = dict(backend.failures)
     out["pool_loaded"] = {n: st.loaded_tokens for n, st in backend.pool_stats().items()}
+    out["scraped_loaded"] = scraped(backend._entry.cache.metrics_url, "kvtiers_loaded_tokens")
     backend.close()
     # a restarted server finds the states in the shared LMDB tiers (its index is empty)
     other = make_backend(kv, tiers, kind="mha")

@@ -115,6 +115,10 @@ def test_hybrid_models_extra_pools_round_trip_and_fold_hits(sglang_python, tmp_p
     assert out["short_indices"] == {"swa": [False, False]}
     assert out["failures"] == {"batch_get_v2": 1, "batch_set_v2": 1}
     assert out["pool_loaded"] == {"mamba": 1, "swa": 2 * 16}  # a state (a 1-token page), 2 pages
+    # the KV cache's endpoint serves the pools' counters too, each under its own model
+    assert out["scraped_loaded"] == {
+        "tiny/model": 8 * 16, "tiny/model#mamba": 1, "tiny/model#swa": 2 * 16
+    }  # fmt: skip
     # a restarted server finds the states in the shared LMDB tier
     assert out["restarted"] == [8, [4, 8]]
     assert out["restarted_get"] == {"mamba": [True]} and out["restarted_exact"]
