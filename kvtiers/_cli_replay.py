@@ -75,7 +75,9 @@ def add_replay_commands(commands: Any) -> None:
     replay.add_argument(
         "--capacity",
         help="comma list of blocks (9140), shares of the unique blocks (5%%) or sizes "
-        f"(16GiB); with --config, the top tier's (default: {_DEFAULT_CAPACITIES}, or the config's)",
+        "(16GiB); with --config, the top tier's (default: "
+        + _DEFAULT_CAPACITIES.replace("%", "%%")  # argparse formats help with %
+        + ", or the config's)",
     )
     replay.add_argument(
         "--block-tokens",

@@ -1,4 +1,4 @@
-"""`kvtiers stats URL`: what a running cache is doing, read from its metrics endpoint.
+"""`kvtiers stats URL`: what a running cache does, from its metrics.
 
 Reads the Prometheus text a cache serves (`[metrics]` in its config) and prints the hit
 rate, why requests missed, latency quantiles (upper bounds of the histogram buckets), one
@@ -26,7 +26,7 @@ _TIER_COLUMNS = ("hits", "misses", "puts", "evictions", "promotions", "errors", 
 
 
 def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
-    """Return the cache stats a metrics endpoint serves, grouped per cache and tier.
+    """Return a metrics endpoint's cache stats, grouped per cache and tier.
 
     Raises:
         TierIOError: the endpoint cannot be reached or serves no kvtiers metrics.
@@ -43,41 +43,52 @@ def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
     caches: dict[tuple[str, str], dict[str, Any]] = {}
     for line in text.splitlines():
         match = _LINE.match(line)
-        if match is None:
-            continue
-        name, raw_labels, raw_value = match.groups()
-        labels = dict(_LABEL.findall(raw_labels or ""))
-        key = (labels.pop("model", ""), labels.pop("tp_rank", ""))
-        cache = caches.setdefault(
-            key, {"model": key[0], "tp_rank": key[1], "misses": {}, "tiers": defaultdict(dict)}
-        )
-        name = name.removeprefix("kvtiers_").removesuffix("_total")
-        value = float(raw_value)
-        where = cache
-        if name == "misses_evicted":
-            cache.setdefault("evicted_from", {})[labels.get("tier", "")] = value
-            continue
-        if "tier" in labels:
-            where = cache["tiers"][labels["tier"]]
-            where["kind"] = labels.get("kind", "")
-            name = name.removeprefix("tier_")
-        if name.startswith("op_seconds_") and "op" in labels:
-            _add_latency(where, labels, name.removeprefix("op_seconds_"), value)
-        elif name == "breaker_state":
-            if value == 1.0:
-                where["breaker"] = labels.get("state", "")
-        elif where is not cache:
-            where[name] = value
-        elif name == "misses":
-            cache["misses"][labels.get("reason", "")] = value
-        else:
-            cache[name] = value
+        if match is not None:
+            _add_sample(caches, *match.groups())
     if not caches:
         raise TierIOError(f"{url} serves no kvtiers metrics")
     out = list(caches.values())
     for cache in out:
         cache["tiers"] = dict(cache["tiers"])
     return {"url": url, "caches": out}
+
+
+def _add_sample(
+    caches: dict[tuple[str, str], dict[str, Any]],
+    name: str,
+    raw_labels: str | None,
+    raw_value: str,
+) -> None:
+    """Record one sample in the stats of the cache its labels name.
+
+    Side effects: adds the cache, keyed by (model, tp_rank), and its tier if missing.
+    """
+    labels = dict(_LABEL.findall(raw_labels or ""))
+    key = (labels.pop("model", ""), labels.pop("tp_rank", ""))
+    cache = caches.setdefault(
+        key, {"model": key[0], "tp_rank": key[1], "misses": {}, "tiers": defaultdict(dict)}
+    )
+    name = name.removeprefix("kvtiers_").removesuffix("_total")
+    value = float(raw_value)
+    where = cache
+    if name == "misses_evicted":
+        cache.setdefault("evicted_from", {})[labels.get("tier", "")] = value
+        return
+    if "tier" in labels:
+        where = cache["tiers"][labels["tier"]]
+        where["kind"] = labels.get("kind", "")
+        name = name.removeprefix("tier_")
+    if name.startswith("op_seconds_") and "op" in labels:
+        _add_latency(where, labels, name.removeprefix("op_seconds_"), value)
+    elif name == "breaker_state":
+        if value == 1.0:
+            where["breaker"] = labels.get("state", "")
+    elif where is not cache:
+        where[name] = value
+    elif name == "misses":
+        cache["misses"][labels.get("reason", "")] = value
+    else:
+        cache[name] = value
 
 
 def _add_latency(where: dict[str, Any], labels: dict[str, str], part: str, value: float) -> None:
@@ -89,7 +100,7 @@ def _add_latency(where: dict[str, Any], labels: dict[str, str], part: str, value
 
 
 def quantile(latency: dict[str, Any], q: float) -> float | None:
-    """Return the upper bound (seconds) of the bucket holding quantile `q` of one operation.
+    """Return the upper bucket bound (seconds) of quantile `q` of one op.
 
     `None` when nothing was recorded; `inf` past the last bound.
     """
@@ -117,35 +128,7 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
     """Return `fetch_stats`'s result as lines of text."""
     lines = []
     for cache in stats["caches"]:
-        asked = cache.get("lookup_tokens", 0.0)
-        hit = cache.get("hit_tokens", 0.0)
-        rate = f"{hit / asked:.1%}" if asked else "-"
-        lines.append(f"{cache['model']} (tp_rank {cache['tp_rank']}) at {stats['url']}")
-        lines.append(
-            f"  lookups {cache.get('lookups', 0):,.0f}, hit rate {rate} "
-            f"({hit:,.0f} of {asked:,.0f} tokens)"
-        )
-        seconds = cache.get("load_seconds", 0.0)
-        loaded = cache.get("loaded_bytes", 0.0)
-        speed = f", {format_size(int(loaded / seconds))}/s" if seconds else ""
-        lines.append(
-            f"  loads {cache.get('loads', 0):,.0f} ({format_size(int(loaded))}{speed}), "
-            f"stores {cache.get('stores', 0):,.0f}, write queue "
-            f"{cache.get('write_queue_chunks', 0):,.0f} chunks"
-        )
-        misses = cache["misses"]
-        reasons = ", ".join(f"{r} {n:,.0f}" for r, n in sorted(misses.items(), key=lambda x: -x[1]))
-        evicted_from = cache.get("evicted_from", {})
-        if evicted_from:
-            reasons += (
-                " (evicted last from: "
-                + ", ".join(f"{t} {n:,.0f}" for t, n in sorted(evicted_from.items()))
-                + ")"
-            )
-        lines.append(f"  misses: {reasons or 'none'}")
-        latency = _latency_line(cache.get("latency", {}))
-        if latency:
-            lines.append(f"  latency p50/p99 (bucket bounds): {latency}")
+        lines += _cache_lines(cache, stats["url"])
         lines.append("  " + _row(("tier", "kind", "entries", "used", *_TIER_COLUMNS)))
         for name, tier in cache["tiers"].items():
             used = f"{format_size(int(tier.get('used_bytes', 0)))}/" + format_size(
@@ -155,19 +138,57 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
             row = (name, tier.get("kind", ""), f"{tier.get('num_entries', 0):,.0f}", used)
             lines.append("  " + _row((*row, *counts)))
         for name, tier in cache["tiers"].items():
-            extra = []
-            if "breaker" in tier:
-                io = ", ".join(
-                    f"{field} {tier.get('io_' + field, 0):,.0f}"
-                    for field in ("requests", "failures", "timeouts", "refused", "dropped_writes")
-                )
-                extra.append(f"breaker {tier['breaker']} ({io})")
-            latency = _latency_line(tier.get("latency", {}))
-            if latency:
-                extra.append(f"p50/p99 {latency}")
+            extra = _tier_extras(tier)
             if extra:
                 lines.append(f"  {name}: " + "; ".join(extra))
     return lines
+
+
+def _cache_lines(cache: dict[str, Any], url: str) -> list[str]:
+    """Return a cache's heading, lookups, loads, misses and latency lines."""
+    asked = cache.get("lookup_tokens", 0.0)
+    hit = cache.get("hit_tokens", 0.0)
+    rate = f"{hit / asked:.1%}" if asked else "-"
+    seconds = cache.get("load_seconds", 0.0)
+    loaded = cache.get("loaded_bytes", 0.0)
+    speed = f", {format_size(int(loaded / seconds))}/s" if seconds else ""
+    misses = cache["misses"]
+    reasons = ", ".join(f"{r} {n:,.0f}" for r, n in sorted(misses.items(), key=lambda x: -x[1]))
+    evicted_from = cache.get("evicted_from", {})
+    if evicted_from:
+        reasons += (
+            " (evicted last from: "
+            + ", ".join(f"{t} {n:,.0f}" for t, n in sorted(evicted_from.items()))
+            + ")"
+        )
+    lines = [
+        f"{cache['model']} (tp_rank {cache['tp_rank']}) at {url}",
+        f"  lookups {cache.get('lookups', 0):,.0f}, hit rate {rate} "
+        f"({hit:,.0f} of {asked:,.0f} tokens)",
+        f"  loads {cache.get('loads', 0):,.0f} ({format_size(int(loaded))}{speed}), "
+        f"stores {cache.get('stores', 0):,.0f}, write queue "
+        f"{cache.get('write_queue_chunks', 0):,.0f} chunks",
+        f"  misses: {reasons or 'none'}",
+    ]
+    latency = _latency_line(cache.get("latency", {}))
+    if latency:
+        lines.append(f"  latency p50/p99 (bucket bounds): {latency}")
+    return lines
+
+
+def _tier_extras(tier: dict[str, Any]) -> list[str]:
+    """Return a tier's circuit breaker and latency cells, if it has them."""
+    extra = []
+    if "breaker" in tier:
+        io = ", ".join(
+            f"{field} {tier.get('io_' + field, 0):,.0f}"
+            for field in ("requests", "failures", "timeouts", "refused", "dropped_writes")
+        )
+        extra.append(f"breaker {tier['breaker']} ({io})")
+    latency = _latency_line(tier.get("latency", {}))
+    if latency:
+        extra.append(f"p50/p99 {latency}")
+    return extra
 
 
 def _row(cells: tuple[str, ...]) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvtiers
-from kvtiers import TieredCache, cli
+from kvtiers import TieredCache, _cli_explain
 from kvtiers.cli import main
 from kvtiers.demo import ChatWorkload, chat_requests, pseudo_kv
 from tests.conftest import small_layout
@@ -91,7 +91,7 @@ def test_explain_warns_when_memory_tiers_exceed_ram(tmp_path, capsys):
 def test_explain_warns_against_the_cgroup_limit(tmp_path, capsys, monkeypatch):
     limit = tmp_path / "memory.max"
     limit.write_text(f"{2**20}\n")
-    monkeypatch.setattr(cli, "_CGROUP_LIMIT_FILES", (tmp_path / "absent", limit))
+    monkeypatch.setattr(_cli_explain, "_CGROUP_LIMIT_FILES", (tmp_path / "absent", limit))
     assert main(["explain", str(write_config(tmp_path, dram="2MiB"))]) == 0
     out = capsys.readouterr().out
     assert "cgroup memory limit 1.00 MiB" in out
@@ -111,8 +111,8 @@ def test_explain_warns_when_disk_tiers_exceed_free_space(tmp_path, capsys):
 def test_cgroup_limit_is_read_from_v2_or_v1_files(tmp_path, monkeypatch, text, limit):
     path = tmp_path / "limit"
     path.write_text(text)
-    monkeypatch.setattr(cli, "_CGROUP_LIMIT_FILES", (tmp_path / "absent", path))
-    machine = cli._read_machine()
+    monkeypatch.setattr(_cli_explain, "_CGROUP_LIMIT_FILES", (tmp_path / "absent", path))
+    machine = _cli_explain._read_machine()
     assert machine.cgroup_limit == limit
     assert machine.memory_bytes == min(machine.ram_bytes, limit or machine.ram_bytes)
 
@@ -249,3 +249,25 @@ def test_console_script_prints_the_version():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"kvtiers {kvtiers.__version__}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["demo"],
+        ["explain"],
+        ["remote"],
+        ["remote", "ls"],
+        ["remote", "purge"],
+        ["inspect"],
+        ["stats"],
+        ["purge"],
+        ["replay"],
+        ["plan"],
+        ["bench"],
+    ],
+)
+def test_every_command_prints_its_help(command, capsys):
+    assert main([*command, "--help"]) == 0
+    assert "usage: kvtiers" in capsys.readouterr().out
