@@ -10,115 +10,28 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import lmdb
 import numpy as np
 
-from kvtiers.core.config import TierConfig, parse_size
+from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError, TierIOError
 from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _lmdb_format as fmt
-from kvtiers.tiers._files import FILE_MODE, allocate_whole, check_path, make_private_dirs
-from kvtiers.tiers._integrity import OPTION_NAMES as _INTEGRITY_OPTIONS
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._lmdb_format import Databases, Verdict, Writer
 from kvtiers.tiers._lmdb_health import WriteHealth
-from kvtiers.tiers.base import Buffer, Tier, check_option_keys
+from kvtiers.tiers._lmdb_options import LMDBOptions, open_env
+from kvtiers.tiers._lmdb_writes import PendingTouches, ValuePacker, record_touches, store_new
+from kvtiers.tiers.base import Buffer, Tier
 
 __all__ = ["LMDBOptions", "LMDBTier"]
 
 _T = TypeVar("_T")
 logger = logging.getLogger("kvtiers")
-_MIB = 2**20
-_OPTIONS = (
-    "map_size",
-    "max_readers",
-    "path",
-    "read_threads",
-    "readahead",
-    "sync",
-    "writemap",
-    *_INTEGRITY_OPTIONS,
-)
-_MAX_TOUCHED = 4096  # touched keys held in memory before a read flushes them itself
-
-
-@dataclass(frozen=True, slots=True)
-class LMDBOptions:
-    """The lmdb tier's own config keys."""
-
-    path: str
-    """Directory of the environment; created if missing."""
-    read_threads: int = 4
-    """Threads that run the blocking LMDB calls; a batch's reads are split across them, in
-    no more parts than there are cores."""
-    map_size: int | None = None
-    """Size of the memory map; `None` sizes it from the capacity."""
-    sync: bool = False
-    """Whether each commit is flushed to disk before it returns."""
-    max_readers: int = 256
-    """Concurrent read transactions, over all processes sharing the environment."""
-    readahead: bool = True
-    """Let the OS read ahead in the map; a chunk is one large value read whole, so on by
-    default (off, each cold 4 KiB page is its own synchronous disk read)."""
-    writemap: bool = False
-    """Write values straight into the memory map (`MDB_WRITEMAP`): no per-commit buffers
-    and one copy less, so big chunks store several times faster. The data file is then
-    allocated to the map's full size when opened (a full disk can never strike a write
-    into the map), and every process on the path must use the same setting (checked)."""
-
-    @classmethod
-    def from_config(cls, config: TierConfig) -> LMDBOptions:
-        """Validate the kind options of `config`.
-
-        Args:
-            config: the tier's config; its `options` hold the keys.
-
-        Returns:
-            The options, defaults filled in.
-
-        Raises:
-            ConfigError: an option is missing, unknown or invalid; the message names it.
-        """
-        where, raw = config.where, dict(config.options)
-        check_option_keys(config, "lmdb", _OPTIONS)
-        path = raw.get("path")
-        path = os.fspath(path) if isinstance(path, os.PathLike) else path
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"{where}.path: required; expected a directory path, got {path!r}")
-        check_path(path, f"{where}.path")
-        map_size = raw.get("map_size")
-        if map_size is not None:
-            map_size = parse_size(map_size, where=f"{where}.map_size")
-            if map_size < _MIB:
-                raise ConfigError(f"{where}.map_size: expected at least 1MiB, got {map_size}")
-        sync = raw.get("sync", False)
-        if not isinstance(sync, bool):
-            raise ConfigError(f"{where}.sync: expected true or false, got {sync!r}")
-        flags = {name: raw.get(name, name == "readahead") for name in ("readahead", "writemap")}
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}.{name}: expected true or false, got {value!r}")
-        return cls(
-            path=path,
-            read_threads=_int_option(raw, "read_threads", 4, where),
-            map_size=map_size,
-            sync=sync,
-            max_readers=_int_option(raw, "max_readers", 256, where),
-            readahead=flags["readahead"],
-            writemap=flags["writemap"],
-        )
-
-
-def _int_option(raw: dict[str, Any], name: str, default: int, where: str) -> int:
-    value = raw.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {value!r}")
-    return value
 
 
 class LMDBTier(Tier):
@@ -164,9 +77,9 @@ class LMDBTier(Tier):
         self._env: lmdb.Environment | None = None
         self._dbs: Databases | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()  # guards counters and _touched across the pool's threads
-        self._local = threading.local()  # per thread: a reused buffer to pack a value into
-        self._touched: list[list[ChunkKey]] = []  # hit batches, flushed by the next write
+        self._lock = threading.Lock()  # guards counters and _limit across the pool's threads
+        self._packer = ValuePacker(self._fingerprint, self._value_len, self._auth_key)
+        self._touched = PendingTouches()  # hit batches, flushed by the next write
         self._last_usage = TierUsage(self.capacity_bytes, 0, 0)  # reported while not open
         self._limit = min(self.capacity_bytes, fmt.map_capacity(self.map_size, self._value_len))
         """Bytes of values held at most: the capacity, or less where the map is smaller."""
@@ -180,7 +93,8 @@ class LMDBTier(Tier):
     async def _open(self) -> None:
         # docstring inherited
         pool = ThreadPoolExecutor(self.options.read_threads, f"kvtiers-lmdb-{self.name}")
-        fut = asyncio.get_running_loop().run_in_executor(pool, self._open_env)
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(pool, open_env, self.options, self.map_size, self.name)
         try:
             self._env, self._dbs = await asyncio.shield(fut)
         except BaseException:
@@ -190,52 +104,6 @@ class LMDBTier(Tier):
             pool.shutdown(wait=False)
             raise
         self._pool = pool
-
-    def _open_env(self) -> tuple[lmdb.Environment, Databases]:
-        path, env = self.options.path, None
-        data = os.path.join(path, "data.mdb")
-        try:
-            make_private_dirs(path)
-            fresh = not os.path.exists(data)
-            env = lmdb.open(
-                path,
-                mode=FILE_MODE,
-                map_size=self.map_size,
-                subdir=True,
-                max_dbs=4,
-                lock=True,
-                readahead=self.options.readahead,
-                # NOTE: with writemap a full disk would be a SIGBUS on a map write, not an
-                # error that declines the batch; so the file is allocated whole first.
-                writemap=self.options.writemap,
-                meminit=False,
-                max_readers=self.options.max_readers,
-                # NOTE: without sync a crash may lose the last transactions, but LMDB's
-                # copy-on-write never corrupts the tree, and checksums guard every payload.
-                sync=self.options.sync,
-                metasync=self.options.sync,
-            )
-            if self.options.writemap:  # before any write into the map
-                try:
-                    allocate_whole(data, env.info()["map_size"])
-                except OSError:
-                    env.close()
-                    env = None
-                    if fresh:  # give back what was allocated: nothing is stored yet
-                        os.truncate(data, 0)
-                    raise
-            dbs = fmt.open_databases(env)
-            fmt.check_writemap(env, dbs, self.options.writemap)
-            return env, dbs
-        except fmt.ModeMismatch as exc:
-            if env is not None:
-                env.close()
-            raise TierIOError(f"{self.name}: lmdb at {path!r}: {exc}") from None
-        except (OSError, lmdb.Error) as exc:
-            if env is not None:
-                env.close()
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise TierIOError(f"{self.name}: cannot open lmdb at {path!r}: {reason}") from exc
 
     def _handles(self) -> tuple[lmdb.Environment, Databases]:
         if self._env is None or self._dbs is None:
@@ -299,15 +167,12 @@ class LMDBTier(Tier):
         env, dbs = self._handles()
         if cancel.is_set():
             return None
-        with self._lock:
-            touched, self._touched = self._touched, []
+        touched = self._touched.take()
         committed = False
         txn = env.begin(write=True, buffers=True)
         try:
             writer = Writer(txn, dbs, self._limit)
-            for batch in _last_touches(touched):
-                held = [(key, size) for key in batch if (size := writer.size(key)) is not None]
-                writer.touch([key for key, _ in held], [size for _, size in held])
+            record_touches(writer, touched)
             result = fn(writer)
             writer.save()
             if not cancel.is_set():
@@ -316,8 +181,7 @@ class LMDBTier(Tier):
         finally:
             if not committed:
                 txn.abort()
-                with self._lock:
-                    self._touched[:0] = touched
+                self._touched.put_back(touched)
         if not committed:
             return None
         with self._lock:
@@ -342,8 +206,7 @@ class LMDBTier(Tier):
         # docstring inherited
         # Kept in memory like a read's hits; the next write transaction records it first.
         if keys:
-            with self._lock:
-                self._touched.append(list(keys))
+            self._touched.add(keys)
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -357,16 +220,12 @@ class LMDBTier(Tier):
         ]
         hits = [hit for part in await self._run(jobs) for hit in part]
         touched = [key for key, hit in zip(keys, hits, strict=True) if hit]
-        if touched:  # kept in memory, so reads need no write transaction
-            with self._lock:
-                self._touched.append(touched)
-                flush = sum(map(len, self._touched)) >= _MAX_TOUCHED
-            if flush:
-                try:
-                    await self._run([functools.partial(self._write, lambda w: None)])
-                except TierIOError:  # a full or failing disk: recency is only a hint
-                    with self._lock:
-                        self._touched.clear()
+        # Kept in memory, so reads need no write transaction.
+        if touched and self._touched.add(touched):
+            try:
+                await self._run([functools.partial(self._write, lambda w: None)])
+            except TierIOError:  # a full or failing disk: recency is only a hint
+                self._touched.clear()
         return hits
 
     def _read(
@@ -464,46 +323,9 @@ class LMDBTier(Tier):
     def _store(
         self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], writer: Writer
     ) -> tuple[set[bytes], int, int]:
-        """Write the batch's new keys that fit, evicting the oldest entries first.
-
-        Returns:
-            The batch's keys held after the write, how many were new, how many declined.
-        """
-        srcs_by_key = dict(zip(keys, srcs, strict=True))
-        kept: dict[bytes, int] = {}  # key -> its value's size
-        new: list[bytes] = []
-        held, full = 0, False
-        for key in srcs_by_key:
-            size = writer.size(key)
-            if size is None:
-                # NOTE: once a chunk does not fit, no deeper chunk is stored without it.
-                full = full or held + self._value_len > self._limit
-                if full:
-                    continue
-                new.append(key)
-                size = self._value_len
-            kept[key] = size
-            held += size
-        writer.evict(len(new) * self._value_len, keep=set(kept))
-        while new and writer.used + len(new) * self._value_len > self._limit:
-            del kept[new.pop()]  # what is left is held by this batch or unaccounted
-        out = self._pack_buffer()
-        for new_key in new:
-            src = np.ascontiguousarray(srcs_by_key[ChunkKey(new_key)]).reshape(-1)
-            value = fmt.pack_value_into(
-                out, self._fingerprint, new_key, src.data, auth_key=self._auth_key
-            )
-            writer.insert(new_key, value)  # LMDB copies it: `out` is free again
-            kept[new_key] = len(value)
-        writer.touch(list(kept), list(kept.values()))
-        return set(kept), len(new), len(srcs_by_key) - len(kept)
-
-    def _pack_buffer(self) -> memoryview:
-        """Return this thread's buffer for one value, made on its first write."""
-        out: memoryview | None = getattr(self._local, "pack", None)
-        if out is None:
-            out = self._local.pack = memoryview(bytearray(self._value_len))
-        return out
+        """Write the batch's new keys that fit; see `store_new`."""
+        # NOTE: the limit is read as the transaction runs: a retry sees it lowered.
+        return store_new(writer, keys, srcs, self._packer, self._limit)
 
     def _write_failed(
         self, keys: Sequence[ChunkKey], exc: lmdb.Error, cancel: threading.Event
@@ -547,26 +369,6 @@ class LMDBTier(Tier):
             entries = txn.stat(dbs.chunks)["entries"]
         self._last_usage = TierUsage(self.capacity_bytes, used, entries)
         return self._last_usage
-
-
-def _last_touches(batches: list[list[ChunkKey]]) -> list[list[ChunkKey]]:
-    """Keep each key only in the last batch that touched it, in order.
-
-    Touching batches in order leaves each key at the recency of its last touch; dropping its
-    earlier touches leaves every key in the same relative order, with less to write (hot
-    prefixes are read again and again between two writes).
-    """
-    seen: set[ChunkKey] = set()
-    out: list[list[ChunkKey]] = []
-    for batch in reversed(batches):
-        kept: list[ChunkKey] = []
-        for key in reversed(batch):
-            if key not in seen:
-                seen.add(key)
-                kept.append(key)
-        if kept:
-            out.append(kept[::-1])
-    return out[::-1]
 
 
 def _check_keys(keys: Sequence[ChunkKey]) -> None:

@@ -464,8 +464,8 @@ def _recency(batches: list[list[bytes]]) -> list[bytes]:
 
 @given(st.lists(st.lists(st.sampled_from([bytes([i]) * 16 for i in range(8)]), max_size=6)))
 def test_dropping_earlier_touches_keeps_the_recency_order(batches: list[list[bytes]]) -> None:
-    from kvtiers.tiers.lmdb import _last_touches
+    from kvtiers.tiers._lmdb_writes import last_touches
 
-    kept = _last_touches(batches)
+    kept = last_touches(batches)
     assert _recency(kept) == _recency(batches)
     assert sum(map(len, kept)) == len({key for batch in batches for key in batch})

@@ -1,0 +1,164 @@
+"""The lmdb tier's own config keys, and the environment they open."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+from kvtiers.core.config import TierConfig, parse_size
+from kvtiers.core.errors import ConfigError, TierIOError
+from kvtiers.tiers import _lmdb_format as fmt
+from kvtiers.tiers._files import FILE_MODE, allocate_whole, check_path, make_private_dirs
+from kvtiers.tiers._integrity import OPTION_NAMES as _INTEGRITY_OPTIONS
+from kvtiers.tiers._lmdb_format import Databases
+from kvtiers.tiers.base import check_option_keys
+
+__all__ = ["LMDBOptions", "open_env"]
+
+_MIB = 2**20
+_OPTIONS = (
+    "map_size",
+    "max_readers",
+    "path",
+    "read_threads",
+    "readahead",
+    "sync",
+    "writemap",
+    *_INTEGRITY_OPTIONS,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LMDBOptions:
+    """The lmdb tier's own config keys."""
+
+    path: str
+    """Directory of the environment; created if missing."""
+    read_threads: int = 4
+    """Threads that run the blocking LMDB calls; a batch's reads are split across them, in
+    no more parts than there are cores."""
+    map_size: int | None = None
+    """Size of the memory map; `None` sizes it from the capacity."""
+    sync: bool = False
+    """Whether each commit is flushed to disk before it returns."""
+    max_readers: int = 256
+    """Concurrent read transactions, over all processes sharing the environment."""
+    readahead: bool = True
+    """Let the OS read ahead in the map; a chunk is one large value read whole, so on by
+    default (off, each cold 4 KiB page is its own synchronous disk read)."""
+    writemap: bool = False
+    """Write values straight into the memory map (`MDB_WRITEMAP`): no per-commit buffers
+    and one copy less, so big chunks store several times faster. The data file is then
+    allocated to the map's full size when opened (a full disk can never strike a write
+    into the map), and every process on the path must use the same setting (checked)."""
+
+    @classmethod
+    def from_config(cls, config: TierConfig) -> LMDBOptions:
+        """Validate the kind options of `config`.
+
+        Args:
+            config: the tier's config; its `options` hold the keys.
+
+        Returns:
+            The options, defaults filled in.
+
+        Raises:
+            ConfigError: an option is missing, unknown or invalid; the message names it.
+        """
+        where, raw = config.where, dict(config.options)
+        check_option_keys(config, "lmdb", _OPTIONS)
+        path = raw.get("path")
+        path = os.fspath(path) if isinstance(path, os.PathLike) else path
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.path: required; expected a directory path, got {path!r}")
+        check_path(path, f"{where}.path")
+        map_size = raw.get("map_size")
+        if map_size is not None:
+            map_size = parse_size(map_size, where=f"{where}.map_size")
+            if map_size < _MIB:
+                raise ConfigError(f"{where}.map_size: expected at least 1MiB, got {map_size}")
+        sync = raw.get("sync", False)
+        if not isinstance(sync, bool):
+            raise ConfigError(f"{where}.sync: expected true or false, got {sync!r}")
+        flags = {name: raw.get(name, name == "readahead") for name in ("readahead", "writemap")}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}.{name}: expected true or false, got {value!r}")
+        return cls(
+            path=path,
+            read_threads=_int_option(raw, "read_threads", 4, where),
+            map_size=map_size,
+            sync=sync,
+            max_readers=_int_option(raw, "max_readers", 256, where),
+            readahead=flags["readahead"],
+            writemap=flags["writemap"],
+        )
+
+
+def _int_option(raw: dict[str, Any], name: str, default: int, where: str) -> int:
+    value = raw.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+def open_env(options: LMDBOptions, map_size: int, name: str) -> tuple[lmdb.Environment, Databases]:
+    """Open the environment at `options.path`, creating what is missing.
+
+    Blocks; the tier runs it in its thread pool.
+
+    Raises:
+        TierIOError: it cannot be opened, or was created with the other `writemap`
+            setting; the message names tier `name`.
+    """
+    path, env = options.path, None
+    data = os.path.join(path, "data.mdb")
+    try:
+        make_private_dirs(path)
+        fresh = not os.path.exists(data)
+        env = _open_lmdb(options, map_size)
+        if options.writemap:  # before any write into the map
+            try:
+                allocate_whole(data, env.info()["map_size"])
+            except OSError:
+                env.close()
+                env = None
+                if fresh:  # give back what was allocated: nothing is stored yet
+                    os.truncate(data, 0)
+                raise
+        dbs = fmt.open_databases(env)
+        fmt.check_writemap(env, dbs, options.writemap)
+        return env, dbs
+    except fmt.ModeMismatch as exc:
+        if env is not None:
+            env.close()
+        raise TierIOError(f"{name}: lmdb at {path!r}: {exc}") from None
+    except (OSError, lmdb.Error) as exc:
+        if env is not None:
+            env.close()
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise TierIOError(f"{name}: cannot open lmdb at {path!r}: {reason}") from exc
+
+
+def _open_lmdb(options: LMDBOptions, map_size: int) -> lmdb.Environment:
+    return lmdb.open(
+        options.path,
+        mode=FILE_MODE,
+        map_size=map_size,
+        subdir=True,
+        max_dbs=4,
+        lock=True,
+        readahead=options.readahead,
+        # NOTE: with writemap a full disk would be a SIGBUS on a map write, not an
+        # error that declines the batch; so the file is allocated whole first.
+        writemap=options.writemap,
+        meminit=False,
+        max_readers=options.max_readers,
+        # NOTE: without sync a crash may lose the last transactions, but LMDB's
+        # copy-on-write never corrupts the tree, and checksums guard every payload.
+        sync=options.sync,
+        metasync=options.sync,
+    )
