@@ -59,6 +59,17 @@ _PLAN_TIERS = ("dram", "nvme", "s3")
 
 def add_replay_commands(commands: Any) -> None:
     """Add the `replay` and `plan` subcommands to `kvtiers`' subparsers."""
+    _add_replay_parser(commands)
+    plan_parser = commands.add_parser(
+        "plan",
+        help="break-even bandwidth and prompt length per tier for a model; no trace needed",
+    )
+    _add_cost_arguments(plan_parser, model_required=True)
+    plan_parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    plan_parser.set_defaults(run=_run_plan)
+
+
+def _add_replay_parser(commands: Any) -> None:
     replay = commands.add_parser(
         "replay",
         help="replay a request trace: hit rates per policy and capacity, optimum, TTFT",
@@ -104,14 +115,6 @@ def add_replay_commands(commands: Any) -> None:
     replay.add_argument("--plot", metavar="OUT", help="write a figure (PNG, SVG, PDF)")
     replay.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     replay.set_defaults(run=_run_replay)
-
-    plan_parser = commands.add_parser(
-        "plan",
-        help="break-even bandwidth and prompt length per tier for a model; no trace needed",
-    )
-    _add_cost_arguments(plan_parser, model_required=True)
-    plan_parser.add_argument("--json", action="store_true", help="print one JSON object instead")
-    plan_parser.set_defaults(run=_run_plan)
 
 
 def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool) -> None:

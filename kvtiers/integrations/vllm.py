@@ -36,7 +36,7 @@ from kvtiers.core.stats import CacheStats
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_events import EventQuorum, WorkerEvents, kv_events_on
-from kvtiers.integrations._vllm_kv import detect_layout
+from kvtiers.integrations._vllm_kv import PagedLayout, detect_layout
 from kvtiers.integrations._vllm_messages import (
     KVTiersConnectorMetadata,
     KVTiersConnectorStats,
@@ -197,12 +197,12 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         except Exception:
             logger.exception("kvtiers: the cache could not be opened; the connector is off")
 
-    def _start_worker(self, kv_caches: dict[str, torch.Tensor]) -> WorkerSide:
+    def _worker_layout(self, kv_caches: dict[str, torch.Tensor]) -> tuple[PagedLayout, KVLayout]:
+        """Return vLLM's paged layout of `kv_caches` and this rank's chunk layout."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         config = self._vllm_config
         model = config.model_config
-        tp_rank = get_tensor_model_parallel_rank() if self._tp_size > 1 else 0
         first = next(iter(kv_caches.values()))
         paged = detect_layout(
             first,
@@ -218,9 +218,15 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             head_size=paged.head_size,
             dtype=str(first.dtype).removeprefix("torch."),
             chunk_size=self._chunk_size,
-            tp_rank=tp_rank,
+            tp_rank=get_tensor_model_parallel_rank() if self._tp_size > 1 else 0,
             tp_size=self._tp_size,
         )
+        return paged, layout
+
+    def _start_worker(self, kv_caches: dict[str, torch.Tensor]) -> WorkerSide:
+        config = self._vllm_config
+        paged, layout = self._worker_layout(kv_caches)
+        tp_rank = layout.tp_rank
         source = self._settings.tiers_source()
         entry = CACHES.acquire(
             (config_identity(source), layout),
