@@ -291,7 +291,8 @@ def scrape_text(url: str) -> str:
         return resp.read().decode()
 
 
-async def test_one_endpoint_serves_other_caches_under_their_own_labels(layout):
+async def test_one_endpoint_serves_other_caches_under_their_own_labels(layout, capsys):
+    from kvtiers.cli import main
     from kvtiers.integrations._runtime import LoopThread
 
     other_config = make_config(layout={"model": "tiny#mamba"})
@@ -313,6 +314,9 @@ async def test_one_endpoint_serves_other_caches_under_their_own_labels(layout):
                 if s.name == "kvtiers_stored_tokens_total"
             }
             assert stored == {layout.model: 16, "tiny#mamba": 32}
+            assert await asyncio.to_thread(main, ["stats", "--json", cache.metrics_url]) == 0
+            shown = json.loads(capsys.readouterr().out)["caches"]
+            assert sorted(c["model"] for c in shown) == sorted([layout.model, "tiny#mamba"])
             elsewhere.run(other.close())
             text = await asyncio.to_thread(scrape_text, cache.metrics_url)
             assert "tiny#mamba" not in text  # a closed cache leaves the endpoint
