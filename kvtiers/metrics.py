@@ -203,7 +203,14 @@ class _Collector:
             more = list(self._more.items())
         merged: dict[str, Any] = {}
         for key, source in [(None, self._first), *more]:
-            stats = _take(source)
+            try:
+                stats = _take(source)
+            except Exception:
+                if key is None:
+                    raise
+                # NOTE: another cache that cannot answer leaves this scrape, not the endpoint.
+                logger.warning("kvtiers: no stats from %s for this scrape", source.labels)
+                continue
             if stats is None:
                 if key is not None:
                     self.remove(key)  # a closed cache leaves the endpoint

@@ -336,3 +336,24 @@ async def test_serving_others_needs_an_endpoint(layout):
     async with TieredCache.from_config(metrics_config()) as cache:
         assert not cache.serve_metrics_of(unopened)  # never opened: no loop to read on
         assert not cache.serve_metrics_of(cache)
+
+
+async def test_a_source_that_fails_leaves_the_scrape_not_the_endpoint(layout):
+    from kvtiers.core.config import MetricsConfig
+    from kvtiers.metrics import MetricsServer
+
+    async with TieredCache.from_config(make_config()) as cache:
+        stats = cache.stats()
+
+        async def good():
+            return stats
+
+        async def bad():
+            raise RuntimeError("a pool's loop is wedged")
+
+        loop = asyncio.get_running_loop()
+        async with MetricsServer(MetricsConfig(port=0), good, {"model": "kv"}) as server:
+            assert server.add_source("pool", bad, loop, {"model": "kv#pool"})
+            text = await asyncio.to_thread(scrape_text, server.url)
+    assert 'kvtiers_lookups_total{model="kv"}' in text
+    assert "kv#pool" not in text
