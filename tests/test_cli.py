@@ -271,3 +271,25 @@ def test_console_script_prints_the_version():
 def test_every_command_prints_its_help(command, capsys):
     assert main([*command, "--help"]) == 0
     assert "usage: kvtiers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("head_size", "writemap", "hinted"),
+    [(2048, False, True), (2048, True, False), (8, False, False)],
+)
+def test_explain_suggests_writemap_for_large_chunks(tmp_path, capsys, head_size, writemap, hinted):
+    layout = LAYOUT_TOML.replace("head_size = 8", f"head_size = {head_size}")
+    layout = layout.replace("chunk_size = 16", "chunk_size = 256")  # 8 MiB chunks at 2048
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        layout
+        + f"""
+[[tiers]]
+kind = "lmdb"
+path = "{tmp_path / "lmdb"}"
+capacity = "64MiB"
+writemap = {str(writemap).lower()}
+"""
+    )
+    assert main(["explain", str(path)]) == 0
+    assert ("writemap = true writes chunks this large" in capsys.readouterr().out) is hinted

@@ -31,6 +31,8 @@ from kvtiers.tiers.base import Buffer, Tier
 __all__ = ["LMDBOptions", "LMDBTier"]
 
 _T = TypeVar("_T")
+# NOTE: from values this large on, writemap wrote about twice as fast (docs/benchmarks.md).
+_WRITEMAP_HINT_BYTES = 4 * 2**20
 logger = logging.getLogger("kvtiers")
 
 
@@ -369,6 +371,15 @@ class LMDBTier(Tier):
             entries = txn.stat(dbs.chunks)["entries"]
         self._last_usage = TierUsage(self.capacity_bytes, used, entries)
         return self._last_usage
+
+    def explain_lines(self) -> list[str]:
+        """Return what `kvtiers explain` shows of this tier beyond its config."""
+        if self.options.writemap or self.layout.chunk_bytes < _WRITEMAP_HINT_BYTES:
+            return []
+        return [
+            "  hint        writemap = true writes chunks this large about twice as fast",
+            "              (the map's file is then allocated whole, to its map size, at open)",
+        ]
 
 
 def _check_keys(keys: Sequence[ChunkKey]) -> None:
