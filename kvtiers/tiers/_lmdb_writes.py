@@ -20,7 +20,6 @@ from kvtiers.tiers._lmdb_format import Writer
 from kvtiers.tiers.base import Buffer
 
 __all__ = [
-    "MAX_TOUCHED",
     "PendingTouches",
     "ValuePacker",
     "last_touches",
@@ -28,7 +27,7 @@ __all__ = [
     "store_new",
 ]
 
-MAX_TOUCHED = 4096
+_MAX_TOUCHED = 4096
 """Touched keys held in memory before a read flushes them itself."""
 
 
@@ -49,7 +48,7 @@ class PendingTouches:
         """Hold `keys` as one batch; return whether a read should flush them now."""
         with self._lock:
             self._batches.append(list(keys))
-            return sum(map(len, self._batches)) >= MAX_TOUCHED
+            return sum(map(len, self._batches)) >= _MAX_TOUCHED
 
     def take(self) -> list[list[ChunkKey]]:
         """Return the batches held, oldest first, and hold none."""
