@@ -311,6 +311,7 @@ class MooncakeTier(Tier):
             victims = [key for key in self._catalog if key not in held][: max(0, excess)]
             if victims:
                 self.counters.evictions += len(victims)
+                self._note_evicted(victims)
                 await self._remove(victims)
             await self._put_new(new, plan.sources, held)
         self.counters.declined += plan.num_declined

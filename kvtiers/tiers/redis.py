@@ -67,14 +67,18 @@ _BATCH_BYTES = 64 * 2**20
 
 # KEYS[1]: the recency set; KEYS[2..]: chunk keys. ARGV[1]: now (seconds); ARGV[2]: the most
 # entries the capacity holds; ARGV[3]: ttl in ms (0: none); ARGV[4..]: the values, aligned.
-# Returns a 0/1 per key (held after the call), then the set's size and the evictions.
+# Returns a 0/1 per key (held after the call), the set's size, then the names it evicted
+# (by capacity, or listed in the set past their ttl).
 _PUT = """
 local zset, now, limit, ttl = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local evicted = {}
 if ttl > 0 then
-  redis.call('ZREMRANGEBYSCORE', zset, '-inf', '(' .. (now - ttl / 1000))
+  local cutoff = '(' .. (now - ttl / 1000)
+  evicted = redis.call('ZRANGEBYSCORE', zset, '-inf', cutoff)
+  redis.call('ZREMRANGEBYSCORE', zset, '-inf', cutoff)
 end
 local count = redis.call('ZCARD', zset)
-local out, evicted, full = {}, 0, false
+local out, full = {}, false
 for i = 2, #KEYS do
   local key, held = KEYS[i], 0
   local known = redis.call('ZSCORE', zset, key)
@@ -95,7 +99,8 @@ for i = 2, #KEYS do
       end
       redis.call('ZREM', zset, oldest[1])
       redis.call('UNLINK', oldest[1])
-      count, evicted = count - 1, evicted + 1
+      count = count - 1
+      evicted[#evicted + 1] = oldest[1]
     end
     if not full then
       if ttl > 0 then
@@ -110,7 +115,7 @@ for i = 2, #KEYS do
   out[#out + 1] = held
 end
 out[#out + 1] = count
-out[#out + 1] = evicted
+for _, name in ipairs(evicted) do out[#out + 1] = name end
 return out
 """
 
@@ -331,9 +336,11 @@ class RedisTier(Tier):
         names = [self._chunk_key(key) for key in keys]
         argv = (repr(time.time()), self.max_entries, self._ttl_ms())
         out = await self._redis.eval(_PUT, len(names) + 1, self._lru, *names, *argv, *values)
-        *flags, count, evicted = (int(x) for x in out)
+        flags, count = [int(x) for x in out[: len(keys)]], int(out[len(keys)])
+        evicted = [bytes(name)[len(self._chunk_prefix) :] for name in out[len(keys) + 1 :]]
         self._num_entries = count
-        self.counters.evictions += evicted
+        self.counters.evictions += len(evicted)
+        self._note_evicted(evicted)
         written = sum(flags)
         self.counters.puts += written
         self.counters.bytes_written += written * self.layout.chunk_bytes

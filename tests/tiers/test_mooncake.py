@@ -128,6 +128,20 @@ async def test_two_tiers_share_the_pool(mooncake_cluster: MooncakeCluster) -> No
         assert two.usage().num_entries == 8  # what it read, it knows
 
 
+async def test_capacity_evicts_least_recent_and_reports_it(
+    mooncake_cluster: MooncakeCluster,
+) -> None:
+    ks, srcs = keys(6, seed=3), payloads(6)
+    async with make_tier(mooncake_cluster.master, num_chunks=4) as tier:
+        assert await tier.put(ks[:4], srcs[:4]) == [True] * 4
+        assert await tier.get(ks[:2], dsts(2)) == [True, True]  # ks[0:2] are now the most recent
+        assert await tier.put(ks[4:], srcs[4:]) == [True, True]
+        assert await tier.contains(ks) == [True, True, False, False, True, True]
+        assert tier.counters.evictions == 2
+        assert sorted(tier.take_evicted()) == sorted(ks[2:4])
+        assert tier.take_evicted() == []
+
+
 # -- faults ---------------------------------------------------------------------------------------
 
 

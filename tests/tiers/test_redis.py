@@ -91,6 +91,8 @@ async def test_two_tiers_share_entries_and_one_lru(redis_server: RedisServer) ->
         assert await two.put(ks[4:], srcs[4:]) == [True, True]  # evicts ks[2:4]
         assert await one.contains(ks) == [True, True, False, False, True, True]
         assert two.counters.evictions == 2
+        assert sorted(two.take_evicted()) == sorted(ks[2:4])  # reported once, by the evictor
+        assert two.take_evicted() == one.take_evicted() == []
         assert one.usage().num_entries == two.usage().num_entries == 4
 
 
@@ -111,6 +113,7 @@ async def test_ttl_expires_chunks_and_a_read_extends_it(redis_server: RedisServe
         assert await tier.contains(ks) == [True, False]
         await tier.put(keys(1, seed=5), payloads(1))  # the write prunes the recency set
         assert tier.usage().num_entries == 2
+        assert tier.take_evicted() == [ks[1]]
 
 
 # -- values behind kvtiers' back --------------------------------------------------------------
