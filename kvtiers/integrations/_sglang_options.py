@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -59,15 +60,23 @@ class BackendOptions:
             raise ConfigError(
                 f"{_WHERE}.{unknown[0]}: unknown key; kvtiers reads {', '.join(sorted(_OWN_KEYS))}"
             )
-        source = options.get("config") or default_config()
-        if not isinstance(source, str | Mapping):
-            raise ConfigError(f"{_WHERE}.config: expected a file path or a table")
-        try:
-            timeout = float(options.get("timeout", 60.0))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{_WHERE}.timeout: expected seconds ({exc})") from exc
-        if not timeout > 0:
-            raise ConfigError(f"{_WHERE}.timeout: must be positive")
+        source = options.get("config")
+        if source is None:
+            source = default_config()
+        elif not isinstance(source, str | Mapping) or not source:
+            raise ConfigError(
+                f"{_WHERE}.config: expected a file path or a non-empty table, got {source!r}"
+            )
+        timeout = options.get("timeout", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ConfigError(f"{_WHERE}.timeout: expected seconds, got {timeout!r}")
+        if not 0 < timeout < math.inf:
+            raise ConfigError(f"{_WHERE}.timeout: must be positive and finite, got {timeout}")
+        for name in ("salt", "model_name"):
+            if not isinstance(options.get(name, ""), str):
+                raise ConfigError(
+                    f"{_WHERE}.{name}: expected a string, got {type(options[name]).__name__}"
+                )
         pools = options.get("pools") or {}
         if not isinstance(pools, Mapping) or not all(
             isinstance(name, str) and isinstance(value, str | Mapping)
@@ -80,6 +89,6 @@ class BackendOptions:
             source,
             options.get("salt"),
             options.get("model_name"),
-            timeout,
+            float(timeout),
             MappingProxyType(dict(pools)),
         )
