@@ -6,6 +6,7 @@ the worker processes), so it is made of plain values.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -100,8 +101,13 @@ class ConnectorSettings:
             raise ConfigError(f"{_WHERE}.store_generated: expected true or false")
         for name in ("lookup_wait_ms", "lookup_deadline_s", "load_timeout_s", "close_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            # NOTE: an infinite wait overflows the futures' and locks' timeouts.
+            if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{_WHERE}.{name}: expected a non-negative number")
+            if not 0 <= value < math.inf:
+                raise ConfigError(
+                    f"{_WHERE}.{name}: expected a non-negative finite number, got {value}"
+                )
         for name in ("max_pending_saves", "event_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

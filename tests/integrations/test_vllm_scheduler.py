@@ -205,6 +205,9 @@ def test_settings_are_validated_by_name():
         ConnectorSettings.from_extra({"chunksize": 64})
     with pytest.raises(ConfigError, match="lookup_wait_ms"):
         ConnectorSettings.from_extra({"lookup_wait_ms": -1})
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="load_timeout_s: expected a non-negative finite"):
+            ConnectorSettings.from_extra({"load_timeout_s": bad})
     with pytest.raises(ConfigError, match="on_load_error"):
         ConnectorSettings.from_extra({"on_load_error": "ignore"})
     with pytest.raises(ConfigError, match="event_chunks: expected a positive integer"):
