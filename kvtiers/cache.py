@@ -13,6 +13,7 @@ from typing import Any, Self
 
 import torch
 
+from kvtiers._activity import Activity, tracked
 from kvtiers._endpoints import (
     ChunkSink,
     ChunkSource,
@@ -26,7 +27,7 @@ from kvtiers._salts import SaltWitness
 from kvtiers._tally import CallTally
 from kvtiers._tensors import as_tokens, check_chunks, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
-from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
+from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError, TokenError
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import KEY_BYTES, ChunkHasher, ChunkKey
@@ -103,6 +104,7 @@ class TieredCache:
         self._metrics: MetricsServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that opened it
         self._tally = CallTally()
+        self._activity = Activity()  # calls in flight, which `close` waits for
 
     @classmethod
     def from_config(
@@ -187,12 +189,15 @@ class TieredCache:
     async def close(self) -> None:
         """Drain the write queues, then close the tiers, bottom first; idempotent.
 
-        After an orderly close every chunk that `store` accepted is in every
-        write-through tier that accepted it.
+        Calls made from then on raise `CacheStateError`; calls already running finish
+        first (so a `store` in flight when `close` is called still reaches every
+        write-through tier). After an orderly close every chunk that `store` accepted is
+        in every write-through tier that accepted it.
         """
         if self._state is CacheState.OPEN:
             self._state = CacheState.CLOSED
             try:
+                await self._activity.idle()
                 await self._mover.drain()
             finally:
                 await self._stack.aclose()
@@ -218,6 +223,7 @@ class TieredCache:
         """Return the chunk keys of the full chunks of `tokens` (prefix first)."""
         return self._hasher.keys_of_array(as_tokens(tokens), salt)
 
+    @tracked
     async def lookup(self, tokens: Any, *, salt: Salt = None) -> int:
         """Return the length in tokens of the longest cached prefix of `tokens`.
 
@@ -227,7 +233,6 @@ class TieredCache:
         Raises:
             TokenError: `tokens` is not a 1-D sequence of non-negative integer ids.
         """
-        self._ensure_open()
         start = time.perf_counter()
         arr = as_tokens(tokens)
         keys = self._hasher.keys_of_array(arr, salt)
@@ -238,6 +243,7 @@ class TieredCache:
         self._tally.lookup(len(arr), hit, time.perf_counter() - start)
         return hit
 
+    @tracked
     async def load(
         self, tokens: Any, *, salt: Salt = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -262,7 +268,6 @@ class TieredCache:
             TokenError: bad token ids.
             LayoutMismatch: `out` has the wrong dtype or shape.
         """
-        self._ensure_open()
         start = time.perf_counter()
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         num_tokens = len(keys) * self.layout.chunk_size
@@ -276,6 +281,7 @@ class TieredCache:
         self._record_load(loaded, start)
         return result
 
+    @tracked
     async def store(self, tokens: Any, kv: torch.Tensor, *, salt: Salt = None) -> int:
         """Cache the KV of the full chunks of `tokens`.
 
@@ -295,7 +301,6 @@ class TieredCache:
             TokenError: bad token ids.
             LayoutMismatch: `kv` does not match the layout or the number of tokens.
         """
-        self._ensure_open()
         start = time.perf_counter()
         arr = as_tokens(tokens)
         check_kv(self.layout, kv, len(arr))
@@ -305,6 +310,7 @@ class TieredCache:
         new_chunks = await self._mover.store(keys, source) if keys else 0
         return self._record_store(new_chunks, start)
 
+    @tracked
     async def store_paged(
         self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
     ) -> int:
@@ -327,7 +333,6 @@ class TieredCache:
             LayoutMismatch: `paged` does not match the layout.
             InvalidInputError: a bad block table; nothing is written.
         """
-        self._ensure_open()
         start = time.perf_counter()
         paged.check_layout(self.layout)
         arr = as_tokens(tokens)
@@ -338,6 +343,7 @@ class TieredCache:
         new_chunks = await self._mover.store(keys, source) if keys else 0
         return self._record_store(new_chunks, start)
 
+    @tracked
     async def load_paged(
         self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
     ) -> int:
@@ -354,7 +360,6 @@ class TieredCache:
             LayoutMismatch: `paged` does not match the layout.
             InvalidInputError: a bad block table; nothing is written.
         """
-        self._ensure_open()
         start = time.perf_counter()
         paged.check_layout(self.layout)
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
@@ -381,6 +386,7 @@ class TieredCache:
             self._engines[device] = engine
         return engine
 
+    @tracked
     async def prefetch(self, tokens: Any, *, salt: Salt = None) -> int:
         """Move the cached prefix of `tokens` up into the top memory tier.
 
@@ -389,7 +395,6 @@ class TieredCache:
         Returns:
             Tokens of the prefix now in the top tier.
         """
-        self._ensure_open()
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         return await self._mover.prefetch(keys) * self.layout.chunk_size
 
@@ -403,10 +408,16 @@ class TieredCache:
         must equal the layout's `chunk_size`.
 
         Raises:
-            TokenError: a hash is not a non-empty `str` or `bytes`.
+            TokenError: `hashes` is not a sequence, or a hash is not a non-empty `str` or
+                `bytes`.
         """
+        if isinstance(hashes, str | bytes | bytearray) or not hasattr(hashes, "__iter__"):
+            raise TokenError(
+                f"hashes: expected a sequence of str or bytes, got {type(hashes).__name__}"
+            )
         return self._hasher.keys_of_hashes(list(hashes), salt)
 
+    @tracked
     async def lookup_keys(self, keys: Any) -> int:
         """Return how many leading `keys` (a chain, prefix first) some tier holds.
 
@@ -415,7 +426,6 @@ class TieredCache:
         Raises:
             InvalidInputError: a key is not 16 bytes.
         """
-        self._ensure_open()
         start = time.perf_counter()
         keys = _check_keys(keys)
         num_chunks = await self._mover.lookup(keys)
@@ -423,6 +433,7 @@ class TieredCache:
         self._tally.lookup(len(keys) * size, num_chunks * size, time.perf_counter() - start)
         return num_chunks
 
+    @tracked
     async def contains_keys(self, keys: Any) -> list[bool]:
         """Return, for each key on its own, whether some tier holds its chunk.
 
@@ -433,9 +444,9 @@ class TieredCache:
         Raises:
             InvalidInputError: a key is not 16 bytes.
         """
-        self._ensure_open()
         return await self._mover.contains(_check_keys(keys))
 
+    @tracked
     async def get_chunks(
         self, keys: Any, dsts: Any, *, parent: ChunkKey | None = None
     ) -> list[bool]:
@@ -460,9 +471,9 @@ class TieredCache:
             InvalidInputError: a key is not 16 bytes.
             LayoutMismatch: a destination has the wrong dtype or shape, or the counts differ.
         """
-        self._ensure_open()
         start = time.perf_counter()
         keys = _check_keys(keys)
+        _check_parent(parent)
         tensors = check_chunks(self.layout, dsts, len(keys), "dsts")
         found = await self._mover.gather(keys, ChunkSink(self.layout, tensors))
         if parent is not None and keys:
@@ -470,6 +481,7 @@ class TieredCache:
         self._record_load(sum(found), start)
         return found
 
+    @tracked
     async def put_chunks(
         self, keys: Any, srcs: Any, *, parent: ChunkKey | None = None
     ) -> list[bool]:
@@ -485,9 +497,9 @@ class TieredCache:
             InvalidInputError: a key is not 16 bytes.
             LayoutMismatch: a source has the wrong dtype or shape, or the counts differ.
         """
-        self._ensure_open()
         start = time.perf_counter()
         keys = _check_keys(keys)
+        _check_parent(parent)
         tensors = check_chunks(self.layout, srcs, len(keys), "srcs")
         new_chunks = await self._mover.store(keys, ChunkSource(self.layout, tensors)) if keys else 0
         if parent is not None and keys:
@@ -495,6 +507,7 @@ class TieredCache:
         self._record_store(new_chunks, start)
         return self._mover.held(keys)
 
+    @tracked
     async def clear(self) -> int:
         """Remove every chunk this cache knows of from every tier.
 
@@ -504,12 +517,11 @@ class TieredCache:
         Returns:
             Residencies removed (a chunk held by two tiers counts twice).
         """
-        self._ensure_open()
         return await self._mover.clear()
 
+    @tracked
     async def flush(self) -> None:
         """Wait until every chunk queued for a write-through tier is written."""
-        self._ensure_open()
         await self._mover.flush()
 
     def take_events(self) -> list[ChunkStored | ChunkRemoved]:
@@ -563,6 +575,11 @@ def _check_keys(keys: Any) -> list[ChunkKey]:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise InvalidInputError(f"keys[{i}]: expected {KEY_BYTES} bytes, got {key!r:.40}")
     return out
+
+
+def _check_parent(parent: Any) -> None:
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+        raise InvalidInputError(f"parent: expected {KEY_BYTES} bytes or None, got {parent!r:.40}")
 
 
 def _build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) -> list[Slot]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvtiers import TieredCache, TierIOError
+from kvtiers import CacheStateError, TieredCache, TierIOError
 from kvtiers.tiers._lmdb_format import pack_value
 from tests.conftest import make_config, make_kv, same_bytes, small_layout
 
@@ -52,6 +52,26 @@ async def test_close_drains_write_through_queue(tmp_path, layout):
     async with TieredCache.from_config(cfg) as cache:
         for tokens, kv in convs:
             await cache.store(tokens, kv)
+    lmdb_only = {"layout": cfg["layout"], "tiers": [cfg["tiers"][1]]}
+    async with TieredCache.from_config(lmdb_only) as cache:
+        for tokens, kv in convs:
+            assert await cache.lookup(tokens) == 64
+            assert same_bytes(await cache.load(tokens), kv)
+
+
+@pytest.mark.parametrize("queue_chunks", [2, 256])
+async def test_close_waits_for_stores_in_flight(tmp_path, layout, queue_chunks):
+    cfg = make_config(tmp_path, dram_chunks=64, lmdb_chunks=200)
+    cfg["write_queue_chunks"] = queue_chunks  # 2: every store waits on a full queue
+    convs = _conversations(layout, 5)
+    cache = TieredCache.from_config(cfg)
+    await cache.open()
+    stores = [asyncio.create_task(cache.store(tokens, kv)) for tokens, kv in convs]
+    await asyncio.sleep(0)  # the stores have started
+    await asyncio.wait_for(cache.close(), 30)
+    assert [await task for task in stores] == [64] * 5
+    with pytest.raises(CacheStateError):
+        await cache.store(*convs[0])
     lmdb_only = {"layout": cfg["layout"], "tiers": [cfg["tiers"][1]]}
     async with TieredCache.from_config(lmdb_only) as cache:
         for tokens, kv in convs:
