@@ -169,6 +169,20 @@ async def test_bad_chunks_raise_and_write_nothing(layout):
             cache.chunk_keys([""])
         with pytest.raises(TokenError):
             cache.chunk_keys([3])
+        for hashes in (5, None, "abc", b"abc"):
+            with pytest.raises(TokenError, match="hashes: expected a sequence"):
+                cache.chunk_keys(hashes)
+        with pytest.raises(TokenError, match="hashes.0.: not encodable"):
+            cache.chunk_keys(["\ud800"])
+        with pytest.raises(TokenError, match="salt: not encodable"):
+            await cache.lookup(list(range(64)), salt="\ud800")
+        chunks = chunks_of(make_kv(layout, 2 * layout.chunk_size), layout.chunk_size)
+        for parent in ([1], 5, "x", b"short"):
+            with pytest.raises(InvalidInputError, match="parent: expected 16 bytes"):
+                await cache.put_chunks(keys, chunks, parent=parent)
+            with pytest.raises(InvalidInputError, match="parent: expected 16 bytes"):
+                await cache.get_chunks(keys, empty_chunks(layout, 2), parent=parent)
+        assert await cache.lookup_keys(keys) == 0  # nothing was stored
 
 
 async def test_numpy_byte_views_are_chunks_too(layout):

@@ -136,7 +136,7 @@ class ChunkHasher:
         out: list[bytes] = []
         for i, h in enumerate(hashes):
             if isinstance(h, str):
-                raw = h.encode("utf-8")
+                raw = _utf8(h, f"hashes[{i}]")
             elif isinstance(h, bytes | bytearray | memoryview):
                 raw = bytes(h)
             else:
@@ -152,7 +152,14 @@ def _salt_bytes(salt: str | bytes | None) -> bytes:
     if salt is None:
         return b"\x00"
     if isinstance(salt, str):
-        return b"\x01" + salt.encode("utf-8")
+        return b"\x01" + _utf8(salt, "salt")
     if isinstance(salt, bytes | bytearray | memoryview):
         return b"\x02" + bytes(salt)
     raise TokenError(f"salt: expected str, bytes or None, got {type(salt).__name__}")
+
+
+def _utf8(text: str, where: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise TokenError(f"{where}: not encodable as UTF-8 ({exc.reason})") from exc
