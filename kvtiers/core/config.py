@@ -7,6 +7,7 @@ bad field (`tiers[1].capacity: ...`) and says what was expected.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -54,6 +55,9 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _COMMON_TIER_KEYS = frozenset({"kind", "name", "capacity", "eviction", "write_policy"})
 
 
+_MAX_SIZE = 2**60  # 1 EiB: no tier holds more, and more overflows C sizes downstream
+
+
 def parse_size(value: object, *, where: str) -> int:
     """Return a byte count from an int or a string such as `"16GiB"` or `"512 MB"`.
 
@@ -62,14 +66,20 @@ def parse_size(value: object, *, where: str) -> int:
     """
     if isinstance(value, bool):
         raise ConfigError(f"{where}: expected a size such as '16GiB', got {value!r}")
+    size = None
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{where}: expected a non-negative size, got {value}")
-        return value
-    if isinstance(value, str):
+        size = value
+    elif isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            size = int(number) if math.isfinite(number) else _MAX_SIZE + 1
+    if size is not None:
+        if size > _MAX_SIZE:
+            raise ConfigError(f"{where}: {value!r:.40} is more than 1 EiB")
+        return size
     raise ConfigError(
         f"{where}: expected a size such as '16GiB', '512MB' or a byte count, got {value!r}"
     )
@@ -196,7 +206,7 @@ def _read_file(path: Path) -> Mapping[str, Any]:
 
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
     keys = {"layout", "tiers", "write_queue_chunks", "events", "metrics", "concurrent_reads"}
-    unknown = sorted(set(data) - keys)
+    unknown = sorted(set(data) - keys, key=str)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key; expected {', '.join(sorted(keys))}")
     layout = None
@@ -220,9 +230,9 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ConfigError(f"write_queue_chunks: expected an integer >= 1, got {depth!r}")
     events = data.get("events", 0)
-    if isinstance(events, bool) or not isinstance(events, int) or events < 0:
+    if isinstance(events, bool) or not isinstance(events, int) or not 0 <= events < 2**31:
         raise ConfigError(
-            f"events: expected an integer >= 0 (the event queue's capacity; 0 is off), "
+            f"events: expected an integer in [0, 2**31) (the event queue's capacity; 0 is off), "
             f"got {events!r}"
         )
     metrics = _parse_metrics(data["metrics"]) if "metrics" in data else None
@@ -235,7 +245,7 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
 def _parse_metrics(raw: object) -> MetricsConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError("metrics: expected a table with a port")
-    unknown = sorted(set(raw) - {"port", "host"})
+    unknown = sorted(set(raw) - {"port", "host"}, key=str)
     if unknown:
         raise ConfigError(f"metrics.{unknown[0]}: unknown key; expected port, host")
     port = raw.get("port")

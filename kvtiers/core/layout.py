@@ -82,7 +82,7 @@ class KVLayout:
     def from_dict(cls, data: dict[str, Any], *, where: str = "layout") -> KVLayout:
         """Build a layout from plain config values, naming any unknown key."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)
         if unknown:
             raise ConfigError(
                 f"{where}.{unknown[0]}: unknown key; expected one of {', '.join(sorted(known))}"
@@ -148,11 +148,14 @@ class KVLayout:
         return xxhash.xxh3_128_digest(msgpack.packb(fields_, use_bin_type=True))
 
 
+_MAX_DIM = 2**31 - 1  # NOTE: every dimension fits 32 bits, as engines' own do
+
+
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name}: expected an integer >= {minimum}, got {value}")
+    if not minimum <= value <= _MAX_DIM:
+        raise ConfigError(f"{name}: expected an integer in [{minimum}, {_MAX_DIM}], got {value}")
 
 
 def _check_str(name: str, value: object, *, allow_empty: bool) -> None:

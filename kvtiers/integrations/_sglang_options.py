@@ -55,7 +55,7 @@ class BackendOptions:
             ConfigError: an unknown key, or a bad value; the message names it.
         """
         options = dict(raw or {})
-        unknown = sorted(set(options) - _SGLANG_KEYS - _OWN_KEYS)
+        unknown = sorted(set(options) - _SGLANG_KEYS - _OWN_KEYS, key=str)
         if unknown:
             raise ConfigError(
                 f"{_WHERE}.{unknown[0]}: unknown key; kvtiers reads {', '.join(sorted(_OWN_KEYS))}"

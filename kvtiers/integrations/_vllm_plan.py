@@ -75,7 +75,7 @@ class ConnectorSettings:
         """
         extra = dict(extra or {})
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - known, key=str)
         if unknown:
             raise ConfigError(
                 f"{_WHERE}.{unknown[0]}: unknown key; expected one of {', '.join(sorted(known))}"

@@ -34,7 +34,7 @@ _EVICTED_KEPT = 65_536  # keys a tier remembers having evicted until the cache t
 def check_option_keys(config: TierConfig, kind: str, allowed: Iterable[str]) -> None:
     """Raise a `ConfigError` naming the first kind option of `config` not in `allowed`."""
     known = sorted(allowed)
-    unknown = sorted(set(config.options) - set(known))
+    unknown = sorted(set(config.options) - set(known), key=str)
     if unknown:
         expected = ", ".join(known) if known else "none"
         raise ConfigError(

@@ -88,6 +88,10 @@ def test_parse_size(value: object, expected: int) -> None:
         1.5,
         None,
         [1],
+        2**61,
+        "1" * 400,
+        "9" * 320 + "TB",
+        "2000000EiB",
     ],
 )
 def test_parse_size_rejects(value: object) -> None:
@@ -439,3 +443,16 @@ def test_not_utf8(tmp_path: Path) -> None:
     path.write_bytes(b'[layout]\nmodel = "caf\xe9"\n')
     with raises_at("config"):
         load_config(path)
+
+
+def test_keys_of_mixed_types_name_the_stray_one() -> None:
+    base = {"layout": LAYOUT, "tiers": [{"kind": "dram", "capacity": "1MiB"}]}
+    with raises_at("1"):
+        load_config({**base, 1: 0, "x": 0})
+
+
+@pytest.mark.parametrize("events", [2**31, 2**63, -1])
+def test_events_out_of_range(events: int) -> None:
+    base = {"layout": LAYOUT, "tiers": [{"kind": "dram", "capacity": "1MiB"}]}
+    with raises_at("events"):
+        load_config({**base, "events": events})

@@ -192,6 +192,19 @@ def test_from_dict_unknown_key() -> None:
         KVLayout.from_dict(data, where="engine.layout")
 
 
+def test_from_dict_keys_of_mixed_types_name_the_stray_one() -> None:
+    data = {"model": "m", "num_layers": 2, "num_kv_heads": 1, "head_size": 4, 1: 0}
+    with pytest.raises(ConfigError, match=r"^layout\.1: unknown key"):
+        KVLayout.from_dict(data)
+
+
+@pytest.mark.parametrize("name", ["num_layers", "chunk_size", "tp_size"])
+def test_dimensions_past_32_bits_are_refused(name: str) -> None:
+    data = {"model": "m", "num_layers": 2, "num_kv_heads": 1, "head_size": 4, name: 2**64}
+    with pytest.raises(ConfigError, match=rf"^layout\.{name}: expected an integer in"):
+        KVLayout.from_dict(data)
+
+
 @pytest.mark.parametrize("missing", ["model", "num_layers", "num_kv_heads", "head_size"])
 def test_from_dict_missing_key(missing: str) -> None:
     data = {"model": "m", "num_layers": 2, "num_kv_heads": 1, "head_size": 4}
