@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 from kvtiers.core.config import MetricsConfig
+from kvtiers.core.errors import ConfigError
 from kvtiers.core.stats import CacheStats, LatencySnapshot, TierStats
 
 __all__ = ["MetricsServer", "metric_families"]
@@ -299,9 +300,13 @@ class MetricsServer:
         first = _Source(self._snapshot, asyncio.get_running_loop(), self._labels)
         collector = _Collector(first)
         registry.register(collector)
-        self._server, self._thread = start_http_server(
-            self.config.port, self.config.host, registry=registry
-        )
+        try:
+            self._server, self._thread = start_http_server(
+                self.config.port, self.config.host, registry=registry
+            )
+        except OSError as exc:  # a host that does not resolve, a port in use
+            where = f"{self.config.host}:{self.config.port}"
+            raise ConfigError(f"metrics: cannot serve on {where}: {exc.strerror or exc}") from exc
         port = self._server.server_port
         self.url = f"http://{self.config.host}:{port}/metrics"
         self._collector = collector

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from kvtiers import ConfigError, TieredCache, load_config
+from kvtiers import CacheState, ConfigError, TieredCache, load_config
 from kvtiers._cli_stats import quantile
 from tests.conftest import make_config, make_kv
 
@@ -99,6 +99,22 @@ async def test_no_metrics_table_serves_nothing(layout):
 def test_bad_metrics_config_names_the_field(metrics, field):
     with pytest.raises(ConfigError, match=field):
         load_config({**make_config(), "metrics": metrics})
+
+
+@pytest.mark.parametrize("host", ["no.such.host.invalid", "192.0.2.1"])
+async def test_an_address_it_cannot_serve_on_is_a_config_error(layout, host):
+    cache = TieredCache.from_config({**make_config(), "metrics": {"port": 0, "host": host}})
+    with pytest.raises(ConfigError, match=f"^metrics: cannot serve on {host}:0"):
+        await cache.open()
+    assert cache.state is CacheState.CLOSED
+
+
+async def test_a_port_in_use_is_a_config_error(layout):
+    async with TieredCache.from_config({**make_config(), "metrics": {"port": 0}}) as first:
+        port = int(first.metrics_url.rsplit(":", 1)[1].split("/")[0])
+        other = TieredCache.from_config({**make_config(), "metrics": {"port": port}})
+        with pytest.raises(ConfigError, match=f"cannot serve on 127.0.0.1:{port}"):
+            await other.open()
 
 
 async def test_stats_cli_reads_a_running_cache(layout, capsys):
