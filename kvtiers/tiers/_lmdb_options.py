@@ -16,7 +16,11 @@ from kvtiers.tiers._integrity import OPTION_NAMES as _INTEGRITY_OPTIONS
 from kvtiers.tiers._lmdb_format import Databases
 from kvtiers.tiers.base import check_option_keys
 
-__all__ = ["LMDBOptions", "open_env"]
+__all__ = [
+    "LMDBOptions",
+    "check_length",
+    "open_env",
+]
 
 _MIB = 2**20
 _OPTIONS = (
@@ -120,6 +124,7 @@ def open_env(options: LMDBOptions, map_size: int, name: str) -> tuple[lmdb.Envir
         make_private_dirs(path)
         fresh = not os.path.exists(data)
         env = _open_lmdb(options, map_size)
+        check_length(env, data)
         if options.writemap:  # before any write into the map
             try:
                 allocate_whole(data, env.info()["map_size"])
@@ -136,11 +141,25 @@ def open_env(options: LMDBOptions, map_size: int, name: str) -> tuple[lmdb.Envir
         if env is not None:
             env.close()
         raise TierIOError(f"{name}: lmdb at {path!r}: {exc}") from None
-    except (OSError, lmdb.Error) as exc:
+    except (OSError, OverflowError, lmdb.Error) as exc:  # overflow: a size past the C types
         if env is not None:
             env.close()
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise TierIOError(f"{name}: cannot open lmdb at {path!r}: {reason}") from exc
+
+
+def check_length(env: lmdb.Environment, data: str) -> None:
+    """Raise `lmdb.Error` if the file `data` ends before the environment's last page.
+
+    A truncated file (a copy cut short, a full disk) would otherwise be a SIGBUS, which
+    kills the process, the first time a read touches a page past its end.
+    """
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    have = os.stat(data).st_size
+    if have < need:
+        raise lmdb.CorruptedError(
+            f"{data} is {have} bytes, shorter than its {need} bytes of pages (truncated?)"
+        )
 
 
 def _open_lmdb(options: LMDBOptions, map_size: int) -> lmdb.Environment:

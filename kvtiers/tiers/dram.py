@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from kvtiers.core.blockpool import BlockPool
-from kvtiers.core.config import TierConfig
+from kvtiers.core.config import TierConfig, format_size
+from kvtiers.core.errors import TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers.base import Buffer
@@ -46,7 +47,13 @@ class MemoryTier(BlockTier[Buffer]):
         return cls(config, layout, allocate=resources.get("allocate"))
 
     async def _open(self) -> None:
-        self._buffer = self._allocate(self.num_chunks * self.layout.chunk_bytes)
+        num_bytes = self.num_chunks * self.layout.chunk_bytes
+        try:
+            self._buffer = self._allocate(num_bytes)
+        except (MemoryError, ValueError, RuntimeError) as exc:  # numpy's and torch's
+            raise TierIOError(
+                f"{self.name}: cannot allocate {format_size(num_bytes)} of host memory: {exc}"
+            ) from exc
         self._pool = BlockPool(self.num_chunks)
 
     async def _close(self) -> None:

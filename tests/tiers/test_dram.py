@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import ConfigError
+from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.testing.tiers import SMALL_LAYOUT, TierTests
@@ -80,6 +80,12 @@ def test_config_errors():
         DRAMTier(TierConfig("dram", 100), SMALL_LAYOUT)
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.path: unknown option"):
         DRAMTier(TierConfig("dram", 1 << 20, options={"path": "/x"}), SMALL_LAYOUT)
+
+
+async def test_memory_it_cannot_allocate_fails_the_open_with_a_tier_error():
+    tier = DRAMTier(TierConfig("dram", 1000 * 2**40, name="big"), SMALL_LAYOUT)
+    with pytest.raises(TierIOError, match=r"^big: cannot allocate 1000\.00 TiB of host memory"):
+        await tier.open()
 
 
 async def test_custom_allocator_is_used():

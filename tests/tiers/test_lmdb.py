@@ -178,6 +178,32 @@ async def test_reopen_finds_the_data(tmp_path: Path) -> None:
         assert all(np.array_equal(s, d) for s, d in zip(srcs, dsts, strict=True))
 
 
+@pytest.mark.parametrize("writemap", [False, True])
+async def test_a_truncated_file_fails_the_open_instead_of_crashing(
+    tmp_path: Path, writemap: bool
+) -> None:
+    path = tmp_path / "db"
+    config = make_config(path, writemap=writemap)
+    async with LMDBTier(config, SMALL_LAYOUT) as tier:
+        assert await tier.put(keys(5), payloads(5)) == [True] * 5
+    data = path / "data.mdb"
+    os.truncate(data, 4 * 4096)  # the meta pages stay; the tree and values are gone
+    # NOTE: with writemap LMDB extends the file to the map's size at open (zeros), so the
+    # tree's pages are found to be garbage instead; either way nothing is mapped past EOF.
+    match = "MDB_CORRUPTED" if writemap else "shorter than its .* bytes of pages"
+    with pytest.raises(TierIOError, match=match):
+        async with LMDBTier(config, SMALL_LAYOUT):
+            pass
+
+
+async def test_a_reader_count_past_lmdb_limits_fails_the_open_with_a_tier_error(
+    tmp_path: Path,
+) -> None:
+    tier = LMDBTier(make_config(tmp_path / "db", max_readers=2**31), SMALL_LAYOUT)
+    with pytest.raises(TierIOError, match="cannot open lmdb"):
+        await tier.open()
+
+
 CHILD = textwrap.dedent(
     """
     import asyncio, json, sys
