@@ -43,8 +43,33 @@ def as_tokens(tokens: Any) -> npt.NDArray[np.int64]:
     if isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TokenError(f"tokens: expected integer ids, got dtype {tokens.dtype}")
+        if tokens.layout != torch.strided or tokens.is_meta:
+            raise TokenError(f"tokens: expected a dense tensor with data, got {_kind(tokens)}")
         tokens = tokens.detach().to("cpu").numpy()
+    elif isinstance(tokens, np.ma.MaskedArray):
+        raise TokenError("tokens: a masked array has no ids where it is masked")
     return as_token_array(tokens)
+
+
+def _kind(tensor: torch.Tensor) -> str:
+    return "a meta tensor" if tensor.is_meta else f"a {tensor.layout} tensor"
+
+
+def _check_memory(name: str, tensor: torch.Tensor, *, writable: bool) -> None:
+    """Refuse tensors whose elements cannot be read (or, if `writable`, written) in place.
+
+    Raises:
+        LayoutMismatch: a sparse or meta tensor; to write, one that needs grad or whose
+            elements overlap (an expanded view).
+    """
+    if tensor.layout != torch.strided or tensor.is_meta:
+        raise LayoutMismatch(f"{name}: expected a dense tensor with data, got {_kind(tensor)}")
+    if not writable:
+        return
+    if tensor.requires_grad:
+        raise LayoutMismatch(f"{name}: requires grad; pass a tensor outside autograd")
+    if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise LayoutMismatch(f"{name}: elements overlap (an expanded view); it cannot be filled")
 
 
 def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:
@@ -79,6 +104,7 @@ def check_kv(layout: KVLayout, kv: object, num_tokens: int) -> torch.Tensor:
         raise LayoutMismatch(f"kv: holds {kv.shape[2]} tokens but {num_tokens} tokens were given")
     if tuple(kv.shape) != want:
         raise LayoutMismatch(f"kv: expected shape {want}, got {tuple(kv.shape)}")
+    _check_memory("kv", kv, writable=False)
     return kv
 
 
@@ -98,11 +124,12 @@ def check_out(layout: KVLayout, out: object, num_tokens: int) -> torch.Tensor:
         raise LayoutMismatch(f"out: expected shape {want} (more tokens allowed), got {shape}")
     if shape[2] < num_tokens:
         raise LayoutMismatch(f"out: room for {shape[2]} tokens, {num_tokens} needed")
+    _check_memory("out", out, writable=True)
     return out
 
 
 def check_chunks(
-    layout: KVLayout, chunks: object, num_keys: int, what: str
+    layout: KVLayout, chunks: object, num_keys: int, what: str, *, writable: bool = False
 ) -> list[torch.Tensor | npt.NDArray[np.uint8]]:
     """Check that `chunks` holds one chunk of the layout per key.
 
@@ -111,7 +138,8 @@ def check_chunks(
     payload (any shape and strides: a view of an engine's host memory).
 
     Raises:
-        LayoutMismatch: not a sequence, or a wrong count, type, dtype or shape.
+        LayoutMismatch: not a sequence, or a wrong count, type, dtype or shape; memory that
+            cannot be read, or (`writable`) written, in place.
     """
     if isinstance(chunks, torch.Tensor | np.ndarray) or not isinstance(chunks, list | tuple):
         raise LayoutMismatch(f"{what}: expected a list of chunks, one per key")
@@ -127,6 +155,8 @@ def check_chunks(
                     f"{what}[{i}]: expected {chunk_bytes} uint8 bytes, got "
                     f"{chunk.nbytes} bytes of {chunk.dtype}"
                 )
+            if writable and not chunk.flags.writeable:
+                raise LayoutMismatch(f"{what}[{i}]: the array is read-only")
         elif not isinstance(chunk, torch.Tensor):
             raise LayoutMismatch(
                 f"{what}[{i}]: expected a torch.Tensor or a uint8 array, got {type(chunk).__name__}"
@@ -136,4 +166,6 @@ def check_chunks(
                 f"{what}[{i}]: expected shape {want} of {layout.dtype}, got "
                 f"{tuple(chunk.shape)} of {chunk.dtype}"
             )
+        else:
+            _check_memory(f"{what}[{i}]", chunk, writable=writable)
     return list(chunks)

@@ -80,6 +80,7 @@ class TieredCache:
         layout: KVLayout | None = None,
         registry: TierRegistry | None = None,
     ) -> None:
+        _check_args(config, layout, registry)
         layout = layout or config.layout
         if layout is None:
             raise ConfigError("layout: required; give a [layout] table or a KVLayout")
@@ -147,6 +148,8 @@ class TieredCache:
             Whether this cache serves metrics (without a `[metrics]` table, or before
             `open`, nothing is kept).
         """
+        if not isinstance(other, TieredCache):
+            raise InvalidInputError(f"other: expected a TieredCache, got {type(other).__name__}")
         loop = other._loop
         if self._metrics is None or loop is None or other is self:
             return False
@@ -334,7 +337,7 @@ class TieredCache:
             InvalidInputError: a bad block table; nothing is written.
         """
         start = time.perf_counter()
-        paged.check_layout(self.layout)
+        _check_paged(paged, self.layout)
         arr = as_tokens(tokens)
         keys = self._hasher.keys_of_array(arr, salt)
         self._salts.stored(arr, self._hasher.root(salt))
@@ -361,7 +364,7 @@ class TieredCache:
             InvalidInputError: a bad block table; nothing is written.
         """
         start = time.perf_counter()
-        paged.check_layout(self.layout)
+        _check_paged(paged, self.layout)
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         engine = await self._copy_engine(paged.device)
         sink = PagedSink(self.layout, engine, paged, block_table)
@@ -474,7 +477,7 @@ class TieredCache:
         start = time.perf_counter()
         keys = _check_keys(keys)
         _check_parent(parent)
-        tensors = check_chunks(self.layout, dsts, len(keys), "dsts")
+        tensors = check_chunks(self.layout, dsts, len(keys), "dsts", writable=True)
         found = await self._mover.gather(keys, ChunkSink(self.layout, tensors))
         if parent is not None and keys:
             self._index.attach(keys[0], parent)
@@ -575,6 +578,24 @@ def _check_keys(keys: Any) -> list[ChunkKey]:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise InvalidInputError(f"keys[{i}]: expected {KEY_BYTES} bytes, got {key!r:.40}")
     return out
+
+
+def _check_args(config: Any, layout: Any, registry: Any) -> None:
+    if not isinstance(config, CacheConfig):
+        raise ConfigError(
+            f"config: expected a CacheConfig, got {type(config).__name__} "
+            "(TieredCache.from_config takes a path or a dict)"
+        )
+    if layout is not None and not isinstance(layout, KVLayout):
+        raise ConfigError(f"layout: expected a KVLayout, got {type(layout).__name__}")
+    if registry is not None and not isinstance(registry, TierRegistry):
+        raise ConfigError(f"registry: expected a TierRegistry, got {type(registry).__name__}")
+
+
+def _check_paged(paged: Any, layout: KVLayout) -> None:
+    if not isinstance(paged, PagedKV):
+        raise InvalidInputError(f"paged: expected a PagedKV, got {type(paged).__name__}")
+    paged.check_layout(layout)
 
 
 def _check_parent(parent: Any) -> None:

@@ -162,6 +162,41 @@ async def test_bad_input_is_typed_and_changes_nothing(layout):
         assert await cache.lookup(other) == 0
 
 
+async def test_tensors_without_plain_memory_are_refused(layout):
+    tokens = list(range(32))
+    kv = make_kv(layout, 32)
+    async with TieredCache.from_config(make_config()) as cache:
+        await cache.store(tokens, kv)
+        ids = torch.arange(32)
+        for bad in (ids.to_sparse(), ids.to("meta"), np.ma.masked_all(32, np.int64)):
+            with pytest.raises(TokenError):
+                await cache.lookup(bad)
+        for bad in (kv.to_sparse(), kv.to("meta")):
+            with pytest.raises(LayoutMismatch, match="kv: expected a dense tensor"):
+                await cache.store(list(range(100, 132)), bad)
+        shape = layout.kv_shape(32)
+        outs = {
+            "dense tensor": torch.empty(shape, dtype=kv.dtype, device="meta"),
+            "grad": torch.empty(shape, dtype=kv.dtype).requires_grad_(),
+            "overlap": torch.empty(*shape[:2], 1, *shape[3:], dtype=kv.dtype).expand(shape),
+        }
+        for match, out in outs.items():
+            with pytest.raises(LayoutMismatch, match=f"out: .*{match}"):
+                await cache.load(tokens, out=out)
+        keys = cache.keys(tokens)
+        grad = [torch.empty(layout.chunk_shape(), dtype=kv.dtype).requires_grad_()]
+        frozen = np.zeros(layout.chunk_bytes, np.uint8)
+        frozen.flags.writeable = False
+        for dsts, match in ((grad, "requires grad"), ([frozen], "read-only")):
+            with pytest.raises(LayoutMismatch, match=match):
+                await cache.get_chunks(keys[:1], dsts)
+        with pytest.raises(kvtiers.InvalidInputError, match="paged: expected a PagedKV"):
+            await cache.store_paged(tokens, None, [[0]])
+        with pytest.raises(kvtiers.InvalidInputError, match="other: expected a TieredCache"):
+            cache.serve_metrics_of(None)
+        assert same_bytes(await cache.load(tokens), kv)
+
+
 async def test_cancelled_loads_and_stores_leave_no_pins(layout):
     cfg = make_config(dram_chunks=16)
     async with TieredCache.from_config(cfg) as cache:
@@ -212,6 +247,12 @@ def test_config_errors_name_the_field():
         )
     with pytest.raises(ConfigError, match="layout"):
         TieredCache.from_config({"tiers": cfg["tiers"]})
+    with pytest.raises(ConfigError, match="config: expected a CacheConfig, got dict"):
+        TieredCache(cfg)
+    with pytest.raises(ConfigError, match="layout: expected a KVLayout, got str"):
+        TieredCache.from_config(cfg, layout="x")
+    with pytest.raises(ConfigError, match="registry: expected a TierRegistry, got str"):
+        TieredCache.from_config(cfg, registry="x")
 
 
 async def test_layout_given_by_an_adapter(layout):
