@@ -8,15 +8,18 @@ as JSON. Parses the text format itself, so it needs no `prometheus-client`.
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from typing import Any
 
 from kvtiers.core.config import format_size
-from kvtiers.core.errors import TierIOError
+from kvtiers.core.errors import ConfigError, TierIOError
 
 __all__ = ["fetch_stats", "format_stats", "quantile", "to_json"]
 
@@ -29,28 +32,51 @@ def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
     """Return a metrics endpoint's cache stats, grouped per cache and tier.
 
     Raises:
+        ConfigError: `url` is not an http(s) address with a numeric port.
         TierIOError: the endpoint cannot be reached or serves no kvtiers metrics.
     """
-    if "://" not in url:
-        url = f"http://{url}"
-    if not url.rstrip("/").endswith("/metrics"):
-        url = url.rstrip("/") + "/metrics"
+    url = _metrics_url(url)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             text = resp.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         raise TierIOError(f"cannot read {url}: {exc}") from exc
     caches: dict[tuple[str, str], dict[str, Any]] = {}
     for line in text.splitlines():
         match = _LINE.match(line)
-        if match is not None:
+        if match is None:
+            continue
+        try:
             _add_sample(caches, *match.groups())
+        except ValueError:  # a value or bucket bound that is no number (NaN, +Inf are)
+            raise TierIOError(f"{url}: malformed sample {line!r:.100}") from None
     if not caches:
         raise TierIOError(f"{url} serves no kvtiers metrics")
     out = list(caches.values())
     for cache in out:
         cache["tiers"] = dict(cache["tiers"])
     return {"url": url, "caches": out}
+
+
+def _metrics_url(url: str) -> str:
+    """Return the full metrics URL of `HOST:PORT` or a URL, checking its scheme and port.
+
+    Raises:
+        ConfigError: not http(s), no host, or a port that is not a number in range.
+    """
+    given = url
+    if "://" not in url:
+        url = f"http://{url}"
+    if not url.rstrip("/").endswith("/metrics"):
+        url = url.rstrip("/") + "/metrics"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  (reading the port parses it)
+    except ValueError as exc:  # a port out of range or not a number, a bad IPv6 host
+        raise ConfigError(f"URL {given!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"URL {given!r}: expected HOST:PORT or an http(s):// URL")
+    return url
 
 
 def _add_sample(
@@ -94,7 +120,9 @@ def _add_sample(
 def _add_latency(where: dict[str, Any], labels: dict[str, str], part: str, value: float) -> None:
     op = where.setdefault("latency", {}).setdefault(labels["op"], {"buckets": {}})
     if part == "bucket":
-        op["buckets"][labels.get("le", "+Inf")] = value
+        le = labels.get("le", "+Inf")
+        float(le)  # a bound that is no number raises ValueError, as a bad value does
+        op["buckets"][le] = value
     elif part in ("count", "sum"):
         op[part] = value
 
@@ -102,11 +130,11 @@ def _add_latency(where: dict[str, Any], labels: dict[str, str], part: str, value
 def quantile(latency: dict[str, Any], q: float) -> float | None:
     """Return the upper bucket bound (seconds) of quantile `q` of one op.
 
-    `None` when nothing was recorded; `inf` past the last bound.
+    `None` when nothing was recorded (or the count is not finite); `inf` past the last bound.
     """
     buckets = sorted((float(le), n) for le, n in latency.get("buckets", {}).items())
     total = buckets[-1][1] if buckets else 0.0
-    if not total:
+    if not total or not math.isfinite(total):  # NaN or infinite counts rank nothing
         return None
     return next(le for le, n in buckets if n >= q * total)
 
@@ -131,9 +159,7 @@ def format_stats(stats: dict[str, Any]) -> list[str]:
         lines += _cache_lines(cache, stats["url"])
         lines.append("  " + _row(("tier", "kind", "entries", "used", *_TIER_COLUMNS)))
         for name, tier in cache["tiers"].items():
-            used = f"{format_size(int(tier.get('used_bytes', 0)))}/" + format_size(
-                int(tier.get("capacity_bytes", 0))
-            )
+            used = f"{_size(tier.get('used_bytes', 0))}/{_size(tier.get('capacity_bytes', 0))}"
             counts = [f"{tier.get(c, 0):,.0f}" for c in _TIER_COLUMNS]
             row = (name, tier.get("kind", ""), f"{tier.get('num_entries', 0):,.0f}", used)
             lines.append("  " + _row((*row, *counts)))
@@ -151,7 +177,7 @@ def _cache_lines(cache: dict[str, Any], url: str) -> list[str]:
     rate = f"{hit / asked:.1%}" if asked else "-"
     seconds = cache.get("load_seconds", 0.0)
     loaded = cache.get("loaded_bytes", 0.0)
-    speed = f", {format_size(int(loaded / seconds))}/s" if seconds else ""
+    speed = f", {_size(loaded / seconds)}/s" if seconds else ""
     misses = cache["misses"]
     reasons = ", ".join(f"{r} {n:,.0f}" for r, n in sorted(misses.items(), key=lambda x: -x[1]))
     evicted_from = cache.get("evicted_from", {})
@@ -165,7 +191,7 @@ def _cache_lines(cache: dict[str, Any], url: str) -> list[str]:
         f"{cache['model']} (tp_rank {cache['tp_rank']}) at {url}",
         f"  lookups {cache.get('lookups', 0):,.0f}, hit rate {rate} "
         f"({hit:,.0f} of {asked:,.0f} tokens)",
-        f"  loads {cache.get('loads', 0):,.0f} ({format_size(int(loaded))}{speed}), "
+        f"  loads {cache.get('loads', 0):,.0f} ({_size(loaded)}{speed}), "
         f"stores {cache.get('stores', 0):,.0f}, write queue "
         f"{cache.get('write_queue_chunks', 0):,.0f} chunks",
         f"  misses: {reasons or 'none'}",
@@ -191,11 +217,27 @@ def _tier_extras(tier: dict[str, Any]) -> list[str]:
     return extra
 
 
+def _size(num_bytes: float) -> str:
+    """Return a byte count in binary units; "?" for a NaN or infinite one."""
+    return format_size(int(num_bytes)) if math.isfinite(num_bytes) else "?"
+
+
 def _row(cells: tuple[str, ...]) -> str:
     widths = (10, 8, 9, 20) + (11,) * len(_TIER_COLUMNS)
     return " ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()
 
 
 def to_json(stats: dict[str, Any]) -> str:
-    """Return `fetch_stats`'s result as JSON text."""
-    return json.dumps(stats, indent=2, sort_keys=True)
+    """Return `fetch_stats`'s result as JSON text; a NaN or infinite value becomes null."""
+    return json.dumps(_finite(stats), indent=2, sort_keys=True, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """Return `value` with every float that is not finite replaced by `None`, at any depth."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvtiers.core.config import TierConfig, format_size
-from kvtiers.core.errors import ConfigError
+from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers import _chunk_format as fmt
 
 __all__ = ["BadEntry", "Inspection", "Namespace", "format_text", "inspect", "to_json"]
@@ -73,7 +73,8 @@ def inspect(
 
     Raises:
         ConfigError: `target` is neither an LMDB environment nor a supported URL.
-        TierIOError: the remote store cannot be listed.
+        TierIOError: the LMDB environment cannot be opened (e.g. its data.mdb is no LMDB
+            file), or the remote store cannot be listed.
     """
     if "://" in target:
         return asyncio.run(_inspect_remote(target, verify, storage_options or {}))
@@ -109,7 +110,10 @@ def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
         raise ConfigError(f"{path}: not an LMDB environment (no data.mdb); give a path or a URL")
     result = Inspection("lmdb", str(path), verified=verify)
     groups: dict[str, Namespace] = {}
-    env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False, subdir=True)
+    try:
+        env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False, subdir=True)
+    except lmdb.Error as exc:  # e.g. MDB_INVALID: data.mdb is no LMDB file
+        raise TierIOError(f"{path}: cannot open the LMDB environment: {exc}") from exc
     try:
         chunks = env.open_db(b"chunks", create=False)
         with env.begin(db=chunks, buffers=True) as txn:

@@ -49,21 +49,16 @@ def purge(
             written for this many seconds (the remote tier's last-access records).
 
     Raises:
-        ConfigError: neither or both selections, an unknown or ambiguous fingerprint, a
-            target that is no store, or `older_than` without a fingerprint or on a path.
+        ConfigError: neither or both selections, an empty, unknown or ambiguous
+            fingerprint, a target that is no store, or `older_than` without a fingerprint
+            or on a path.
         TierIOError: the store cannot be changed.
     """
-    if (fingerprint is None) == (not bad):
-        raise ConfigError("purge: give --fingerprint F or --bad (one of them)")
-    if older_than is not None and (fingerprint is None or "://" not in target):
-        raise ConfigError(
-            "--older-than: only with --fingerprint on a URL (an LMDB path records recency "
-            "order, not times)"
-        )
+    _check_selection(target, fingerprint, bad, older_than)
     found = inspect(target, verify=bad, storage_options=storage_options)
     full = None
     if fingerprint is not None:
-        full = _resolve(fingerprint.lower(), [ns.fingerprint for ns in found.namespaces])
+        full = _resolve(fingerprint.strip().lower(), [ns.fingerprint for ns in found.namespaces])
     report = PurgeReport(target, full, dry_run=dry_run)
     if "://" in target and older_than is not None:
         assert full is not None
@@ -74,6 +69,22 @@ def purge(
     else:
         _purge_lmdb(Path(target), full, report)
     return report
+
+
+def _check_selection(
+    target: str, fingerprint: str | None, bad: bool, older_than: float | None
+) -> None:
+    """Refuse a purge that selects neither or both, an empty prefix, or an age it lacks."""
+    if (fingerprint is None) == (not bad):
+        raise ConfigError("purge: give --fingerprint F or --bad (one of them)")
+    if fingerprint is not None and not fingerprint.strip():
+        # NOTE: an empty prefix would match every layout, and a lone layout would go.
+        raise ConfigError("--fingerprint: empty; give a layout fingerprint (or a prefix of it)")
+    if older_than is not None and (fingerprint is None or "://" not in target):
+        raise ConfigError(
+            "--older-than: only with --fingerprint on a URL (an LMDB path records recency "
+            "order, not times)"
+        )
 
 
 def _resolve(prefix: str, names: list[str]) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from kvtiers import TieredCache
 from kvtiers.cli import main
+from tests._cli_errors import one_line_error
 from tests.conftest import make_config, make_kv, same_bytes
 from tests.tiers.test_lmdb import flip_payload_byte, rewrite_value
 
@@ -84,7 +85,7 @@ def test_not_an_lmdb_path_exits_2(tmp_path, capsys):
     assert "not an LMDB environment" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("options", ["{", "[1]"])
+@pytest.mark.parametrize("options", ["{", "[1]", "[" * 100_000])
 def test_bad_storage_options_exit_2(tmp_path, capsys, options):
     assert main(["inspect", f"file://{tmp_path}", "--storage-options", options]) == 2
     assert "--storage-options" in capsys.readouterr().err
@@ -197,3 +198,25 @@ def test_purge_bad_arguments_exit_2(tmp_path, layout, capsys, argv, message):
     asyncio.run(fill(make_config(tmp_path, dram_chunks=8, lmdb_chunks=50), layout, 32))
     assert main(["purge", str(tmp_path / "lmdb"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prefix", ["", "  "])
+def test_purge_refuses_an_empty_fingerprint_and_keeps_everything(tmp_path, layout, capsys, prefix):
+    asyncio.run(fill(make_config(tmp_path, dram_chunks=8, lmdb_chunks=50), layout, 32))
+    before = run_json(capsys, str(tmp_path / "lmdb"))[1]["namespaces"]
+    code = main(["purge", str(tmp_path / "lmdb"), "--fingerprint", prefix])
+    assert "--fingerprint: empty" in one_line_error(capsys, code, status=2)
+    assert run_json(capsys, str(tmp_path / "lmdb"))[1]["namespaces"] == before
+
+
+@pytest.mark.parametrize(
+    "argv", [["inspect"], ["purge", "--bad"], ["purge", "--fingerprint", "ab"]]
+)
+def test_a_data_mdb_that_is_no_lmdb_file_is_a_one_line_error(tmp_path, capsys, argv):
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "data.mdb").write_bytes(bytes(range(256)) * 256)
+    command, *flags = argv
+    code = main([command, str(store), *flags])
+    line = one_line_error(capsys, code, status=1)
+    assert "TierIOError" in line and "cannot open the LMDB environment" in line
