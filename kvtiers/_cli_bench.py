@@ -220,6 +220,8 @@ def read_tier_links(path: str) -> list[TierLink]:
         raise ConfigError(f"{where}: cannot read it: {exc.strerror or exc}") from exc
     except ValueError as exc:
         raise ConfigError(f"{where}: not JSON: {exc}") from exc
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise ConfigError(f"{where}: not JSON: nested too deep") from None
     if (
         not isinstance(data, dict)
         or data.get("kvtiers_bench") != FORMAT_VERSION
@@ -249,5 +251,10 @@ def _link(i: int, tier: object, where: str) -> TierLink | None:
         )
     try:
         return TierLink(tier["name"], float(tier["read_bandwidth"]), float(tier["read_latency"]))
+    except OverflowError:  # an integer past the largest float
+        raise ConfigError(
+            f"{where}: tiers[{i}] ({tier['name']}): read_bandwidth and read_latency must be "
+            "finite numbers"
+        ) from None
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc

@@ -26,7 +26,7 @@ from kvtiers.tiers.base import Tier
 from kvtiers.tiers.dram import MemoryTier
 from kvtiers.tiers.registry import TierRegistry
 
-__all__ = ["add_explain_command"]
+__all__ = ["Machine", "add_explain_command", "read_machine"]
 
 _CGROUP_LIMIT_FILES = (
     Path("/sys/fs/cgroup/memory.max"),  # cgroup v2; "max" means no limit
@@ -47,7 +47,7 @@ def add_explain_command(commands: Any) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Machine:
+class Machine:
     """What this machine offers the tiers."""
 
     ram_bytes: int
@@ -60,7 +60,7 @@ class _Machine:
         return min(self.ram_bytes, self.cgroup_limit or self.ram_bytes)
 
 
-def _read_machine() -> _Machine:
+def read_machine() -> Machine:
     """Return the machine's RAM and the first cgroup memory limit found."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for path in _CGROUP_LIMIT_FILES:
@@ -69,8 +69,8 @@ def _read_machine() -> _Machine:
         except OSError:
             continue
         limit = None if text == "max" or int(text) >= _NO_LIMIT else int(text)
-        return _Machine(ram, limit)
-    return _Machine(ram, None)
+        return Machine(ram, limit)
+    return Machine(ram, None)
 
 
 def _run_explain(args: argparse.Namespace) -> int:
@@ -82,7 +82,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     tiers: Sequence[Tier | None] = [None] * len(classes)
     if config.layout is not None:
         tiers = TieredCache(config, registry=registry).tiers
-    machine = _read_machine()
+    machine = read_machine()
     lines = [f"config        {args.config}", *_layout_lines(config)]
     for tc, cls, tier in zip(config.tiers, classes, tiers, strict=True):
         lines += _tier_lines(tc, cls, tier, config.layout)
@@ -197,7 +197,7 @@ def _existing_parent(path: Any) -> Path:
 
 
 def _machine_lines(
-    tiers: Sequence[TierConfig], classes: Sequence[type[Tier]], machine: _Machine
+    tiers: Sequence[TierConfig], classes: Sequence[type[Tier]], machine: Machine
 ) -> list[str]:
     limit = "none" if machine.cgroup_limit is None else format_size(machine.cgroup_limit)
     by_resource: dict[str, list[TierConfig]] = {}

@@ -48,10 +48,15 @@ def add_remote_command(commands: Any) -> None:
 
 def _remote_tiers(config: CacheConfig, name: str | None) -> list[TierConfig]:
     tiers = [tc for tc in config.tiers if tc.kind == "remote" and name in (None, tc.name)]
-    if not tiers:
-        which = f"named {name!r}" if name is not None else "of kind 'remote'"
-        raise ConfigError(f"tiers: no tier {which} in the config")
-    return tiers
+    if tiers:
+        return tiers
+    named = next((tc for tc in config.tiers if tc.name == name), None)
+    if named is not None:
+        raise ConfigError(
+            f"--tier {name}: {named.where} is a {named.kind!r} tier, not a remote one"
+        )
+    which = f"named {name!r}" if name is not None else "of kind 'remote'"
+    raise ConfigError(f"tiers: no tier {which} in the config")
 
 
 def _run_remote_ls(args: argparse.Namespace) -> int:

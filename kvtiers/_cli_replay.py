@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from kvtiers._cli_args import positive_int
@@ -39,6 +40,7 @@ from kvtiers.costmodel import (
 )
 from kvtiers.replay import (
     CostSetup,
+    ReplayReport,
     TierSpec,
     Trace,
     TraceError,
@@ -50,8 +52,9 @@ from kvtiers.replay import (
     read_trace,
     single_tier,
 )
+from kvtiers.replay.plot import plot_path
 
-__all__ = ["add_replay_commands"]
+__all__ = ["add_replay_commands", "write_plot"]
 
 _DEFAULT_CAPACITIES = "5%,10%"
 _PLAN_TIERS = ("dram", "nvme", "s3")
@@ -160,6 +163,8 @@ def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool
 
 
 def _run_replay(args: argparse.Namespace) -> int:
+    # NOTE: the plot's file is checked first, not after a replay of many minutes.
+    plot = plot_path(args.plot) if args.plot is not None else None
     config = load_config(args.config) if args.config else None
     model = load_model(args.model) if args.model else None
     layout_chunk = config.layout.chunk_size if config and config.layout else None
@@ -180,7 +185,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         # NOTE: imported here: that module imports this one.
         from kvtiers._cli_replay_full import run_full
 
-        return run_full(args, trace, config, cascades, costs, block_bytes)
+        return run_full(args, trace, config, cascades, costs, block_bytes, plot=plot)
     capacities = {sum(t.capacity_blocks for t in tiers) for tiers in cascades}
     total = trace.num_requests * (len(cascades) + len(capacities))
     with _progress(total, enabled=not args.no_progress and sys.stderr.isatty()) as tick:
@@ -189,12 +194,17 @@ def _run_replay(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(format_report(report))
-    if args.plot:
-        from kvtiers.replay.plot import plot_report
-
-        plot_report(report, args.plot)
-        print(f"kvtiers replay: wrote {args.plot}", file=sys.stderr)
+    if plot is not None:
+        write_plot(report, plot)
     return 0
+
+
+def write_plot(report: ReplayReport, path: Path) -> None:
+    """Write the report's figure to `path` (from `plot_path`) and say so on stderr."""
+    from kvtiers.replay.plot import plot_report
+
+    plot_report(report, path)
+    print(f"kvtiers replay: wrote {path}", file=sys.stderr)
 
 
 def _block_bytes(trace: Trace, config: CacheConfig | None, model: ModelSpec | None) -> int | None:

@@ -15,9 +15,10 @@ import json
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from kvtiers._cli_replay import _progress
+from kvtiers._cli_replay import _progress, write_plot
 from kvtiers._replay_full import DEFAULT_BLOCK_BYTES, FullRun, replay_full, replay_layout
 from kvtiers.core.config import CacheConfig, format_size, parse_size
 from kvtiers.core.errors import ConfigError
@@ -36,6 +37,7 @@ from kvtiers.replay.ttft import percentile
 
 __all__ = ["format_full", "full_dict", "run_full"]
 
+_SMALLER = "give a smaller --block-bytes, --capacity or --limit"
 # The tier counters a full run reports per tier (`TierStats` fields).
 _MEASURED = (
     "hits",
@@ -59,15 +61,21 @@ def run_full(
     cascades: Sequence[Sequence[TierSpec]],
     costs: CostSetup | None,
     block_bytes: int | None,
+    *,
+    plot: Path | None = None,
 ) -> int:
-    """Replay each cascade through a real cache, print the report; return the exit status."""
+    """Replay each cascade through a real cache, print the report; return the exit status.
+
+    `plot` is the figure's file, checked already (`plot_path`).
+    """
     if not args.full:
         raise ConfigError("--block-bytes: only with --full")
     layout = _stored_layout(args.block_bytes, trace, config)
+    _check_memory(layout, trace, cascades)
     capacities = {sum(t.capacity_blocks for t in tiers) for tiers in cascades}
     total = trace.num_requests * (2 * len(cascades) + len(capacities))
     with _progress(total, enabled=not args.no_progress and sys.stderr.isatty()) as tick:
-        runs = asyncio.run(_replay_all(trace, cascades, layout, config, tick))
+        runs = _replay_all(trace, cascades, layout, config, tick)
         index = build_report(trace, cascades, block_bytes=block_bytes, costs=costs, progress=tick)
     report = dataclasses.replace(
         index,
@@ -78,11 +86,13 @@ def run_full(
         print(json.dumps(full_dict(report, index, runs, layout), indent=2))
     else:
         print(format_full(report, index, runs, layout))
-    if args.plot:
-        from kvtiers.replay.plot import plot_report
+    if plot is not None:
+        write_plot(report, plot)
+    return _verify_status(runs)
 
-        plot_report(report, args.plot)
-        print(f"kvtiers replay: wrote {args.plot}", file=sys.stderr)
+
+def _verify_status(runs: Sequence[FullRun]) -> int:
+    """Return the exit status: 1, said on stderr, when any block read back wrong bytes."""
     failures = sum(f.verify_failures for f in runs)
     if failures:
         print(
@@ -108,15 +118,55 @@ def _stored_layout(text: str | None, trace: Trace, config: CacheConfig | None) -
     return config.layout
 
 
-async def _replay_all(
+def _check_memory(layout: KVLayout, trace: Trace, cascades: Sequence[Sequence[TierSpec]]) -> None:
+    """Refuse a full replay whose buffers would not fit in this machine's memory.
+
+    A run holds the payloads and read buffers of its longest request (three copies of
+    it) and the blocks its memory tiers fill (at most the trace's unique blocks each).
+
+    Raises:
+        ConfigError: the estimate exceeds the RAM (or the cgroup's memory limit).
+    """
+    from kvtiers._cli_explain import read_machine
+
+    longest = max((len(ids) for ids in trace.requests), default=0)
+    held = max(
+        sum(min(t.capacity_blocks, trace.unique_blocks) for t in tiers if t.kind == "dram")
+        for tiers in cascades
+    )
+    need = (3 * longest + 1 + held) * layout.chunk_bytes
+    memory = read_machine().memory_bytes
+    if need > memory:
+        raise ConfigError(
+            f"--full: blocks of {format_size(layout.chunk_bytes)} need about "
+            f"{format_size(need)} of host memory, this machine has {format_size(memory)}; "
+            f"{_SMALLER}"
+        )
+
+
+def _replay_all(
     trace: Trace,
     cascades: Sequence[Sequence[TierSpec]],
     layout: KVLayout,
     config: CacheConfig | None,
     tick: Callable[[int], None] | None,
 ) -> list[FullRun]:
-    # NOTE: one fresh cache (and temporary directory) per cascade, one after another.
-    return [await replay_full(trace, t, layout, base=config, progress=tick) for t in cascades]
+    """Replay each cascade in a fresh cache (and temporary directory), one after another.
+
+    Raises:
+        ConfigError: a buffer cannot be allocated (past what `_check_memory` foresaw).
+    """
+
+    async def run_all() -> list[FullRun]:
+        return [await replay_full(trace, t, layout, base=config, progress=tick) for t in cascades]
+
+    try:
+        return asyncio.run(run_all())
+    except MemoryError as exc:  # e.g. a machine that does not overcommit memory
+        raise ConfigError(
+            f"--full: cannot allocate buffers for blocks of {format_size(layout.chunk_bytes)} "
+            f"({exc}); {_SMALLER}"
+        ) from exc
 
 
 def full_dict(

@@ -189,6 +189,8 @@ async def _bench_tier(
             return await _bench_open(session, bench, count, device, block=block)
     except KVTiersError as exc:
         return dataclasses.replace(bench, status="failed", reason=f"{type(exc).__name__}: {exc}")
+    except NotImplementedError as exc:  # a store without writes or deletes (fsspec's HTTP)
+        return dataclasses.replace(bench, status="failed", reason=_unsupported(exc))
 
 
 async def _bench_open(
@@ -332,6 +334,12 @@ async def _clean_up(
         log_gone = await _discard_access_log(tier)
     except KVTiersError as exc:
         return f"could not remove or check its chunks: {exc}", False
+    except NotImplementedError as exc:  # a store without deletes (fsspec's HTTP, say)
+        detail = f": {exc}" if str(exc) else ""
+        return (
+            f"could not remove its chunks: its store cannot delete (NotImplementedError{detail})",
+            False,
+        )
     if left:
         return f"could not remove {left} of {len(keys)} chunks", False
     if not log_gone:
@@ -346,6 +354,12 @@ async def _discard_access_log(tier: Tier) -> bool:
     from kvtiers.tiers.remote import RemoteTier  # already imported: the tier is one
 
     return not isinstance(tier, RemoteTier) or await tier.discard_access_log()
+
+
+def _unsupported(exc: NotImplementedError) -> str:
+    """Say that the tier's store lacks an operation the bench needs."""
+    detail = f": {exc}" if str(exc) else ""
+    return f"its store does not support an operation the bench needs (NotImplementedError{detail})"
 
 
 def _room(usage: TierUsage, layout: KVLayout) -> int:

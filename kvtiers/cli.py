@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtiers import __version__
-from kvtiers._cli_args import parse_age
+from kvtiers._cli_args import non_negative_int, parse_age
 from kvtiers._cli_args import positive_int as _positive_int
 from kvtiers._cli_bench import add_bench_command
 from kvtiers._cli_explain import add_explain_command
@@ -84,7 +84,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"requests per conversation (default: {_WORKLOAD.turns})",
     )
-    demo.add_argument("--seed", type=int, default=0, metavar="S", help="workload seed")
+    demo.add_argument(
+        "--seed", type=non_negative_int, default=0, metavar="S", help="workload seed (>= 0)"
+    )
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.set_defaults(run=_run_demo)
     add_explain_command(commands)
@@ -116,10 +118,21 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _demo_directory(path: str | None) -> Iterator[Path]:
-    """Yield `path` (created if missing), or a temporary directory."""
+    """Yield `path` (created if missing), or a temporary directory.
+
+    Raises:
+        ConfigError: `path` is a file, or cannot be created (a file on the way, no room,
+            no permission).
+    """
     if path is not None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        yield Path(path)
+        directory = Path(path)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError(f"--dir {path}: a file, not a directory") from None
+        except OSError as exc:
+            raise ConfigError(f"--dir {path}: cannot create it: {exc.strerror or exc}") from None
+        yield directory
         return
     with tempfile.TemporaryDirectory(prefix="kvtiers-demo-") as tmp:
         yield Path(tmp)
@@ -157,6 +170,8 @@ def _storage_options(raw: str | None) -> dict[str, Any] | None:
         options = json.loads(raw)
     except ValueError as exc:
         raise ConfigError(f"--storage-options: not JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise ConfigError("--storage-options: not JSON: nested too deep") from None
     if not isinstance(options, dict):
         raise ConfigError("--storage-options: expected a JSON object")
     return options

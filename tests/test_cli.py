@@ -15,6 +15,7 @@ import kvtiers
 from kvtiers import TieredCache, _cli_explain
 from kvtiers.cli import main
 from kvtiers.demo import ChatWorkload, chat_requests, pseudo_kv
+from tests._cli_errors import one_line_error
 from tests.conftest import small_layout
 
 pytest.importorskip("lmdb")
@@ -112,7 +113,7 @@ def test_cgroup_limit_is_read_from_v2_or_v1_files(tmp_path, monkeypatch, text, l
     path = tmp_path / "limit"
     path.write_text(text)
     monkeypatch.setattr(_cli_explain, "_CGROUP_LIMIT_FILES", (tmp_path / "absent", path))
-    machine = _cli_explain._read_machine()
+    machine = _cli_explain.read_machine()
     assert machine.cgroup_limit == limit
     assert machine.memory_bytes == min(machine.ram_bytes, limit or machine.ram_bytes)
 
@@ -225,6 +226,44 @@ def test_demo_bad_config_exits_2(tmp_path, capsys):
     config = write_config(tmp_path, lmdb="lots")
     assert main(["demo", "--config", str(config), "--no-progress"]) == 2
     assert "tiers[1].capacity" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("file", "a file, not a directory"),
+        ("file/sub", "cannot create it: Not a directory"),
+        ("/proc/kvtiers-demo", "cannot create it:"),
+    ],
+)
+def test_demo_dir_that_cannot_be_a_directory_is_a_one_line_error(tmp_path, capsys, where, message):
+    (tmp_path / "file").write_text("not a directory")
+    path = where if where.startswith("/") else str(tmp_path / where)
+    if where.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("no /proc")
+    code = main(["demo", "--dir", path, "--no-progress", "--conversations", "1"])
+    assert f"--dir {path}: {message}" in one_line_error(capsys, code, status=2)
+
+
+def test_demo_refuses_a_negative_seed(capsys):
+    code = main(["demo", "--seed=-1", "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "argument --seed: expected an integer >= 0, got '-1'" in err
+
+
+# -- remote ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", [["purge", "--all"], ["ls"]])
+def test_remote_tier_that_is_not_remote_is_named_so(tmp_path, capsys, action):
+    config = write_config(tmp_path)
+    code = main(["remote", *action, "--tier", "dram", str(config)])
+    line = one_line_error(capsys, code, status=2)
+    assert "--tier dram: tiers[0] is a 'dram' tier, not a remote one" in line
+    code = main(["remote", *action, "--tier", "nope", str(config)])
+    assert "no tier named 'nope' in the config" in one_line_error(capsys, code, status=2)
 
 
 # -- the command itself ----------------------------------------------------------------

@@ -282,7 +282,7 @@ def test_tiers_from_must_name_a_tier_of_the_replay(tmp_path, capsys):
         (
             '{"kvtiers_bench": 1, "tiers": [{"name": "x", "status": "measured", '
             '"read_bandwidth": 0, "read_latency": 0}]}',
-            "bandwidth must be > 0",
+            "bandwidth must be a finite number > 0",
         ),
     ],
 )
@@ -382,3 +382,32 @@ def test_cold_a_failed_drop_fails_the_tier_and_still_cleans_up(tmp_path, capsys,
     assert all("could not drop its files" in t["reason"] for t in tiers[1:])
     assert all(t["clean"] for t in tiers), tiers
     assert lmdb_entries(tmp_path) == []
+
+
+def test_a_store_that_cannot_delete_fails_its_tier_in_one_line(tmp_path, capsys):
+    # fsspec's HTTP filesystem writes and deletes nothing: its _rm_file is not implemented.
+    pytest.importorskip("aiohttp")
+    config = tmp_path / "tiers.toml"
+    config.write_text(
+        LAYOUT_TOML + '\n[[tiers]]\nkind = "remote"\nname = "web"\n'
+        'url = "http://127.0.0.1:1/x"\ncapacity = "1MiB"\n'
+    )
+    assert main(["bench", str(config), "--chunks", "4"]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    lines = captured.out.splitlines()
+    assert any(line.startswith("web ") and "failed: " in line for line in lines)
+    (cleanup,) = [line for line in lines if line.startswith("web: could not remove")]
+    assert "its store cannot delete (NotImplementedError)" in cleanup
+
+
+def test_a_store_without_an_operation_fails_only_its_tier(tmp_path, capsys, monkeypatch):
+    async def unsupported(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError
+
+    monkeypatch.setattr(tierbench, "_measure", unsupported)
+    assert main(["bench", str(write_config(tmp_path)), "--chunks", "4", "--json"]) == 1
+    tiers = json.loads(capsys.readouterr().out)["tiers"]
+    assert [t["status"] for t in tiers] == ["failed"] * 3
+    assert all("does not support an operation the bench needs" in t["reason"] for t in tiers)
+    assert all(t["clean"] for t in tiers), tiers

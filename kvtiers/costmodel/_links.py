@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -44,14 +45,29 @@ class TierLink:
     """Seconds before the first byte of one batched read."""
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
-            raise ConfigError(f"tier {self.name}: bandwidth must be > 0, got {self.bandwidth}")
-        if not self.latency >= 0:
-            raise ConfigError(f"tier {self.name}: latency must be >= 0, got {self.latency}")
+        if not _is_finite(self.bandwidth) or not self.bandwidth > 0:
+            raise ConfigError(
+                f"tier {self.name}: bandwidth must be a finite number > 0, "
+                f"got {self.bandwidth!r:.40}"
+            )
+        if not _is_finite(self.latency) or not self.latency >= 0:
+            raise ConfigError(
+                f"tier {self.name}: latency must be a finite number >= 0, got {self.latency!r:.40}"
+            )
 
     def load_seconds(self, num_bytes: float) -> float:
         """Return the time to read `num_bytes` in one batch (0 for nothing)."""
         return self.latency + num_bytes / self.bandwidth if num_bytes > 0 else 0.0
+
+
+def _is_finite(value: object) -> bool:
+    """Return whether `value` is a real number (not a bool) that a float holds finitely."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past the largest float
+        return False
 
 
 #: Defaults by tier kind (and the usual names for them): PCIe Gen5 host copies, one NVMe
@@ -78,7 +94,7 @@ def parse_bandwidth(text: str, *, where: str = "bandwidth") -> float:
     A lowercase `b` or `bit` means bits.
 
     Raises:
-        ConfigError: the text is not a bandwidth.
+        ConfigError: the text is not a bandwidth, or not a finite one.
     """
     match = _BANDWIDTH_RE.match(text)
     if match is None:
@@ -87,6 +103,8 @@ def parse_bandwidth(text: str, *, where: str = "bandwidth") -> float:
     value = float(number) * _BYTE_UNITS[(prefix or "").lower()]
     if unit in ("b", "bit"):
         value /= 8
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: {text.strip()[:40]!r} is not a finite bandwidth")
     if value <= 0:
         raise ConfigError(f"{where}: must be > 0, got {text!r}")
     return value
@@ -96,12 +114,15 @@ def parse_duration(text: str, *, where: str = "latency") -> float:
     """Return seconds from text such as `"20us"`, `"1.5ms"` or `"0.02s"`.
 
     Raises:
-        ConfigError: the text is not a duration.
+        ConfigError: the text is not a duration, or not a finite one.
     """
     match = _DURATION_RE.match(text)
     if match is None:
         raise ConfigError(f"{where}: expected a duration such as '20us' or '5ms', got {text!r}")
-    return float(match.group(1)) * _SECONDS[match.group(2)]
+    value = float(match.group(1)) * _SECONDS[match.group(2)]
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: {text.strip()[:40]!r} is not a finite duration")
+    return value
 
 
 def parse_tier_link(text: str) -> TierLink:

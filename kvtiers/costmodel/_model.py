@@ -11,12 +11,21 @@ from typing import Any, Literal
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import DTYPE_SIZES, KVLayout
 
-__all__ = ["GPUS", "MODELS", "GPUSpec", "ModelSpec", "load_model"]
+__all__ = ["GPUS", "MAX_DIM", "MAX_PARAMS", "MODELS", "GPUSpec", "ModelSpec", "load_model"]
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: expected an integer >= 1, got {value!r}")
+#: The largest dimension (layers, heads, head sizes, context) a model may give: 32 bits,
+#: as a `KVLayout`'s.
+MAX_DIM = 2**31 - 1
+#: The largest parameter count a model may give: an exact float, so costs stay finite.
+MAX_PARAMS = 2**53
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ConfigError(
+            f"{name}: expected an integer in [{minimum}, {maximum}], got {value!r:.40}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +64,20 @@ class ModelSpec:
     """All parameters (a mixture of experts holds more than it uses); 0 when the same."""
 
     def __post_init__(self) -> None:
-        for name in ("num_params", "num_layers", "num_heads", "head_size", "num_kv_heads"):
-            _check_positive(f"model.{name}", getattr(self, name))
-        _check_positive("model.kv_head_size", self.kv_head_size)
-        _check_positive("model.max_context", self.max_context)
+        if not isinstance(self.name, str):
+            raise ConfigError(f"model.name: expected a string, got {self.name!r:.40}")
+        _check_int("model.num_params", self.num_params, 1, MAX_PARAMS)
+        _check_int("model.total_params", self.total_params, 0, MAX_PARAMS)
+        for name in ("num_layers", "num_heads", "head_size", "num_kv_heads", "kv_head_size"):
+            _check_int(f"model.{name}", getattr(self, name), 1, MAX_DIM)
+        _check_int("model.v_head_size", self.v_head_size, 0, MAX_DIM)  # 0: head_size
+        _check_int("model.max_context", self.max_context, 1, MAX_DIM)
         if self.kind not in ("mha", "mla"):
-            raise ConfigError(f"model.kind: {self.kind!r} is not 'mha' or 'mla'")
-        if self.dtype not in DTYPE_SIZES:
-            raise ConfigError(f"model.dtype: {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+            raise ConfigError(f"model.kind: {self.kind!r:.40} is not 'mha' or 'mla'")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
+            raise ConfigError(
+                f"model.dtype: {self.dtype!r:.40} is not one of {', '.join(DTYPE_SIZES)}"
+            )
 
     def layout(self, chunk_size: int = 256) -> KVLayout:
         """Return the KV layout of this model with `chunk_size` tokens per chunk."""
@@ -155,9 +170,13 @@ def load_model(spec: str) -> ModelSpec:
         data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"model: cannot read {path}: {exc}") from exc
+    except RecursionError:  # arrays or tables nested thousands deep
+        raise ConfigError(f"model: cannot read {path}: nested too deep") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model: {path} must hold a table at the top level")
     data = data.get("model", data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"model: {path}: 'model' must be a table of the model's fields")
     if "num_hidden_layers" in data:
         return _from_hf_config(data, default_name=path.parent.name or path.stem)
     known = {f.name for f in fields(ModelSpec)}
@@ -178,16 +197,13 @@ def _from_hf_config(cfg: dict[str, Any], *, default_name: str) -> ModelSpec:
             "file with num_params, num_layers, num_heads, head_size, num_kv_heads, "
             "kv_head_size, kind"
         )
-    try:
-        hidden = int(cfg["hidden_size"])
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads", heads))
-        head = int(cfg.get("head_dim") or hidden // heads)
-        inter = int(cfg["intermediate_size"])
-        vocab = int(cfg["vocab_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"model: config.json lacks or mistypes {exc}") from exc
+    hidden = _hf_int(cfg, "hidden_size")
+    layers = _hf_int(cfg, "num_hidden_layers")
+    heads = _hf_int(cfg, "num_attention_heads")
+    kv_heads = _hf_int(cfg, "num_key_value_heads", heads)
+    head = _hf_int(cfg, "head_dim") if cfg.get("head_dim") else hidden // heads
+    inter = _hf_int(cfg, "intermediate_size")
+    vocab = _hf_int(cfg, "vocab_size")
     # Weights of a llama-style decoder: attention (q, k, v, o), gated MLP, two norms per
     # layer, the final norm, embeddings (and the output head unless tied).
     attention = hidden * heads * head * 2 + hidden * kv_heads * head * 2
@@ -203,5 +219,27 @@ def _from_hf_config(cfg: dict[str, Any], *, default_name: str) -> ModelSpec:
         num_kv_heads=kv_heads,
         kv_head_size=head,
         dtype=dtype if dtype in DTYPE_SIZES else "bfloat16",
-        max_context=int(cfg.get("max_position_embeddings", 131_072)),
+        max_context=_hf_int(cfg, "max_position_embeddings", 131_072),
     )
+
+
+def _hf_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """Return a positive integer field of a Hugging Face config (`default` when absent).
+
+    An integral float (`4096.0`) counts as its integer.
+
+    Raises:
+        ConfigError: the field is missing, or not an integer in [1, `MAX_DIM`].
+    """
+    if key not in cfg and default is not None:
+        return default
+    if key not in cfg:
+        raise ConfigError(f"model: config.json lacks {key!r}")
+    value = cfg[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
+        raise ConfigError(
+            f"model: config.json {key}: expected an integer in [1, {MAX_DIM}], got {value!r:.40}"
+        )
+    return value

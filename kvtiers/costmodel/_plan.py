@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtiers.core.config import format_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.costmodel._links import TierLink
-from kvtiers.costmodel._model import GPUS, ModelSpec
+from kvtiers.costmodel._model import GPUS, MAX_DIM, ModelSpec
 
 __all__ = [
     "DEFAULT_MFU",
@@ -36,6 +37,12 @@ class Compute:
     """Achieved FLOP/s during prefill."""
     label: str
     """Where the figure comes from, for reports."""
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.flops_per_s) or not self.flops_per_s > 0:
+            raise ConfigError(
+                f"compute: expected a finite FLOP/s > 0, got {self.flops_per_s} ({self.label})"
+            )
 
     def prefill_seconds(self, model: ModelSpec, num_new: int, num_cached: int = 0) -> float:
         """Return the time to prefill `num_new` tokens after `num_cached` cached ones."""
@@ -66,16 +73,12 @@ def make_compute(
     if not 0 < mfu <= 1:
         raise ConfigError(f"mfu: expected a share in (0, 1], got {mfu}")
     if measured:
-        rates = []
-        for tokens, seconds in measured:
-            if tokens < 1 or not seconds > 0:
-                raise ConfigError(f"measured: expected TOKENS:SECONDS > 0, got {tokens}:{seconds}")
-            rates.append(model.prefill_flops(tokens) / seconds)
+        rates = [_measured_rate(model, tokens, seconds) for tokens, seconds in measured]
         rate = sum(rates) / len(rates)
         return Compute(rate, f"measured ({len(rates)} point(s)): {rate / 1e12:.0f} TFLOP/s")
     if tflops is not None:
-        if not tflops > 0:
-            raise ConfigError(f"tflops: expected > 0, got {tflops}")
+        if not math.isfinite(tflops * 1e12 * mfu) or not tflops > 0:
+            raise ConfigError(f"tflops: expected a finite number > 0, got {tflops}")
         return Compute(tflops * 1e12 * mfu, f"{tflops:g} TFLOP/s x {mfu:.2f} utilisation")
     spec = GPUS.get(gpu.upper())
     if spec is None:
@@ -84,6 +87,24 @@ def make_compute(
         spec.peak_tflops * 1e12 * mfu,
         f"{spec.name}: {spec.peak_tflops:g} TFLOP/s dense bf16 x {mfu:.2f} utilisation",
     )
+
+
+def _measured_rate(model: ModelSpec, tokens: int, seconds: float) -> float:
+    """Return the FLOP/s of one measured prefill.
+
+    Raises:
+        ConfigError: tokens not in [1, `MAX_DIM`], seconds not finite and > 0, or a rate
+            that is not finite.
+    """
+    given = f"{tokens!r:.40}:{seconds!r:.40}"
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_DIM:
+        raise ConfigError(f"measured: TOKENS must be an integer in [1, {MAX_DIM}], got {given}")
+    if not math.isfinite(seconds) or not seconds > 0:
+        raise ConfigError(f"measured: SECONDS must be a finite number > 0, got {given}")
+    rate = model.prefill_flops(tokens) / seconds
+    if not math.isfinite(rate):
+        raise ConfigError(f"measured: {given} is not a finite throughput (too few seconds)")
+    return rate
 
 
 def ttft_seconds(

@@ -13,6 +13,8 @@ from kvtiers.replay.simulate import TierSpec
 
 __all__ = ["from_config", "parse_capacity", "parse_policies", "single_tier"]
 
+#: The largest capacity a replay takes, in blocks (the policies size their parts in floats).
+MAX_CAPACITY_BLOCKS = 2**53
 _SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 _BLOCKS_RE = re.compile(r"^\s*(\d+)\s*$")
 
@@ -46,9 +48,10 @@ def parse_capacity(text: str, *, unique_blocks: int, block_bytes: int | None) ->
     A share is of the trace's unique blocks, rounded down. Bytes need `block_bytes`.
 
     Raises:
-        ConfigError: malformed, below one block, or bytes without a layout.
+        ConfigError: malformed, below one block, above `MAX_CAPACITY_BLOCKS`, or bytes
+            without a layout.
     """
-    where = f"--capacity {text.strip()!r}"
+    where = f"--capacity {text.strip()[:40]!r}"
     if match := _BLOCKS_RE.match(text):
         blocks = int(match.group(1))
     elif match := _SHARE_RE.match(text):
@@ -64,6 +67,8 @@ def parse_capacity(text: str, *, unique_blocks: int, block_bytes: int | None) ->
         blocks = num_bytes // block_bytes
     if blocks < 1:
         raise ConfigError(f"{where}: is less than one block")
+    if blocks > MAX_CAPACITY_BLOCKS:
+        raise ConfigError(f"{where}: is more than 2**53 blocks")
     return blocks
 
 

@@ -6,12 +6,54 @@ Needs matplotlib (`pip install kvtiers[plot]`); it is imported only here, on fir
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from kvtiers.core.errors import ConfigError
 from kvtiers.replay.report import ReplayReport
 
-__all__ = ["plot_report"]
+__all__ = ["plot_path", "plot_report"]
+
+_DEFAULT_FORMAT = "png"  # the format of a path without a suffix
+
+
+def plot_path(path: str | os.PathLike[str]) -> Path:
+    """Return the file a plot asked for as `path` goes to, checked before any replay runs.
+
+    A path without a suffix gets `.png`, as matplotlib would add.
+
+    Raises:
+        ConfigError: matplotlib is not installed, the suffix names a format it cannot
+            write, `path` is a directory, or its folder does not exist or is not writable.
+    """
+    given = os.fspath(path)
+    out = Path(given)
+    if not given.strip() or out.is_dir():
+        raise ConfigError(f"--plot {given!r}: a directory; give a file such as out.png")
+    fmt = out.suffix.lower().removeprefix(".")
+    if not fmt:
+        out, fmt = out.with_name(f"{out.name}.{_DEFAULT_FORMAT}"), _DEFAULT_FORMAT
+    supported = _formats()
+    if fmt not in supported:
+        raise ConfigError(
+            f"--plot {given}: matplotlib cannot write {fmt!r} files; use one of "
+            + ", ".join(sorted(supported))
+        )
+    folder = out.parent
+    if not folder.is_dir():
+        raise ConfigError(f"--plot {given}: no folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--plot {given}: cannot write into {str(folder)!r}")
+    return out
+
+
+def _formats() -> set[str]:
+    """Return the file formats matplotlib writes (by suffix)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        raise ConfigError("--plot needs matplotlib; install kvtiers[plot]") from exc
+    return set(FigureCanvasBase.get_supported_filetypes())
 
 
 def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
@@ -19,10 +61,11 @@ def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
 
     The left panel shows hit rate against capacity for each policy, with the optimum and
     the infinite cache; the right one the TTFT distribution without the cache and with it
-    (the best policy at each capacity), when the report has a cost model.
+    (the best policy at each capacity), when the report has a cost model. Check `path`
+    with `plot_path` first: this writes to it as it is.
 
     Raises:
-        ConfigError: matplotlib is not installed.
+        ConfigError: matplotlib is not installed, or the file cannot be written.
     """
     try:
         import matplotlib
@@ -38,6 +81,8 @@ def plot_report(report: ReplayReport, path: str | os.PathLike[str]) -> None:
         fig.suptitle(os.path.basename(report.trace.path))
         fig.tight_layout()
         fig.savefig(os.fspath(path), dpi=120)
+    except OSError as exc:
+        raise ConfigError(f"--plot {os.fspath(path)}: cannot write it: {exc}") from exc
     finally:
         plt.close(fig)
 

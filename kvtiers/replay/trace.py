@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ TraceFormat = Literal["mooncake", "tokens"]
 MOONCAKE_BLOCK_TOKENS = 512
 #: Tokens per block of a token trace when the caller names none (the library's default).
 _DEFAULT_TOKEN_BLOCK = 256
+#: The largest token count a record may give (an exact float, so costs stay finite).
+_MAX_COUNT = 2**53
 _MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 # NOTE: token traces are keyed under a fixed fingerprint: only equality of keys matters here.
 _TOKEN_FINGERPRINT = b"kvtiers.replay.tokens"
@@ -210,14 +213,28 @@ def _records(path: Path, limit: int | None) -> Iterator[tuple[int, Mapping[str, 
                 raise TraceError(f"not UTF-8 ({exc.reason})", path=name, line=line_no) from exc
             if not text.strip():
                 continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"not valid JSON: {exc.msg}", path=name, line=line_no) from exc
-            if not isinstance(record, dict):
-                raise TraceError("expected a JSON object", path=name, line=line_no)
             count += 1
-            yield line_no, record
+            yield line_no, _json_object(text, name, line_no)
+
+
+def _json_object(text: str, path: str, line: int) -> Mapping[str, Any]:
+    """Return a line's JSON object.
+
+    Raises:
+        TraceError: not JSON (also: nested thousands deep, an integer of thousands of
+            digits), or not an object.
+    """
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"not valid JSON: {exc.msg}", path=path, line=line) from exc
+    except ValueError as exc:  # an integer past Python's digit limit
+        raise TraceError(f"not valid JSON: {exc}", path=path, line=line) from exc
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise TraceError("not valid JSON: nested too deep", path=path, line=line) from None
+    if not isinstance(record, dict):
+        raise TraceError("expected a JSON object", path=path, line=line)
+    return record
 
 
 class _Builder:
@@ -276,7 +293,7 @@ class _Builder:
         hash_ids = record["hash_ids"]
         if not isinstance(hash_ids, list) or not all(_is_count(h) for h in hash_ids):
             raise self.error("hash_ids: expected a list of non-negative integers", line)
-        expected = math.ceil(num_tokens / self.block_tokens)
+        expected = -(-num_tokens // self.block_tokens)  # ceil, exact for any integer
         if len(hash_ids) != expected:
             raise self.error(
                 f"{len(hash_ids)} hash_ids for input_length {num_tokens}; with "
@@ -295,6 +312,10 @@ class _Builder:
         salt = record.get("salt")
         if salt is not None and not isinstance(salt, str):
             raise self.error(f"salt: expected a string, got {type(salt).__name__}", line)
+        if salt is not None and not _is_utf8(salt):
+            raise self.error(
+                f"salt: not encodable as UTF-8 (a lone surrogate escape?): {salt!a:.60}", line
+            )
         try:
             keys = self._hasher.keys(tokens, salt)
         except TokenError as exc:
@@ -306,9 +327,9 @@ class _Builder:
             return self.timestamps[-1] if self.timestamps else 0.0
         value = record["timestamp"]
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-            raise self.error(f"timestamp: expected a number >= 0, got {value!r}", line)
-        if not math.isfinite(value):
-            raise self.error(f"timestamp: expected a finite number, got {value!r}", line)
+            raise self.error(f"timestamp: expected a number >= 0, got {value!r:.40}", line)
+        if value > sys.float_info.max or not math.isfinite(value):  # an int beyond floats too
+            raise self.error(f"timestamp: expected a finite number, got {value!r:.40}", line)
         if self.timestamps and value < self.timestamps[-1]:
             raise self.error(
                 f"timestamp {value} is earlier than the previous request's "
@@ -321,8 +342,10 @@ class _Builder:
         if field not in record and default is not None:
             return default
         value = record[field]
-        if not _is_count(value):
-            raise self.error(f"{field}: expected an integer >= 0, got {value!r}", line)
+        if not _is_count(value) or value > _MAX_COUNT:
+            raise self.error(
+                f"{field}: expected an integer from 0 to 2**53, got {value!r:.40}", line
+            )
         return int(value)
 
     def _chain(self, line: int, raw_ids: list[object]) -> tuple[int, ...]:
@@ -353,6 +376,15 @@ class _Builder:
             chain.append(dense)
             parent = dense
         return tuple(chain)
+
+
+def _is_utf8(text: str) -> bool:
+    """Return whether `text` encodes to UTF-8; a lone surrogate (JSON `"\\ud800"`) does not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_count(value: object) -> bool:

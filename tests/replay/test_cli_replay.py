@@ -8,6 +8,7 @@ import pytest
 
 from kvtiers.cli import main
 from kvtiers.replay import TierSpec, optimum, read_trace, replay
+from tests._cli_errors import one_line_error
 from tests.replay._factories import CONVERSATION, SYNTHETIC, mooncake, write_lines
 
 LIMIT = "300"
@@ -181,3 +182,158 @@ def test_plan_needs_a_model(capsys):
     assert main(["plan"]) == 2
     assert main(["plan", "--model", "gpt-17"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+# -- bad input: one line on stderr, no traceback -------------------------------------------
+
+NINES = "9" * 400
+
+
+def replay_error(capsys, *argv: str, status: int = 2) -> str:
+    code = main(["replay", *argv, "--no-progress"])
+    return one_line_error(capsys, code, status=status)
+
+
+def plan_error(capsys, *argv: str) -> str:
+    return one_line_error(capsys, main(["plan", *argv]), status=2)
+
+
+def test_replay_json_nested_too_deep_names_the_line(tmp_path, capsys):
+    path = write_lines(tmp_path / "deep.jsonl", [mooncake([1]), "[" * 100_000])
+    assert "deep.jsonl line 2: not valid JSON: nested too deep" in replay_error(capsys, str(path))
+    bench = tmp_path / "bench.json"
+    bench.write_text("[" * 100_000)
+    argv = [str(SYNTHETIC), "--limit", "5", "--model", "llama-3.1-8b", "--tiers-from", str(bench)]
+    assert "not JSON: nested too deep" in replay_error(capsys, *argv)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"tokens":[1,2,3,4],"salt":"\\ud800"}', "line 1: salt: not encodable as UTF-8"),
+        ('{"tokens":[' + "9" * 5000 + "]}", "line 1: not valid JSON: Exceeds the limit"),
+        (json.dumps({**mooncake([1]), "timestamp": int(NINES)}), "expected a finite number"),
+        (json.dumps({**mooncake([1]), "input_length": int(NINES)}), "from 0 to 2**53"),
+    ],
+)
+def test_replay_records_out_of_range_are_per_line_errors(tmp_path, capsys, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n", encoding="utf-8")
+    assert message in replay_error(capsys, str(path))
+
+
+@pytest.mark.parametrize(
+    "capacity, message",
+    [
+        (NINES, "is more than 2**53 blocks"),
+        (f"{NINES}%", "is more than 2**53 blocks"),
+        (f"{NINES}GiB", "is more than 1 EiB"),
+        ("1e400", "expected a size"),
+    ],
+)
+def test_replay_refuses_absurd_capacities(capsys, capacity, message):
+    argv = [str(SYNTHETIC), "--limit", "5", "--model", "llama-3.1-8b", "--capacity", capacity]
+    assert message in replay_error(capsys, *argv)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("out.xyz", "matplotlib cannot write 'xyz' files; use one of"),
+        ("missing/x.png", "no folder"),
+        (".", "a directory"),
+    ],
+)
+def test_replay_checks_the_plot_file_before_replaying(tmp_path, capsys, monkeypatch, name, message):
+    pytest.importorskip("matplotlib")
+    from kvtiers import _cli_replay
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed before checking --plot")
+
+    monkeypatch.setattr(_cli_replay, "read_trace", no_replay)
+    monkeypatch.chdir(tmp_path)
+    assert message in replay_error(capsys, str(SYNTHETIC), "--plot", name)
+
+
+def test_replay_plot_without_a_suffix_says_the_file_it_wrote(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    argv = ["replay", str(SYNTHETIC), "--limit", "50", "--no-progress", "--json"]
+    assert main([*argv, "--plot", str(tmp_path / "figure")]) == 0
+    assert f"wrote {tmp_path / 'figure.png'}" in capsys.readouterr().err
+    assert (tmp_path / "figure.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--measured", "1000:inf"], "SECONDS must be a finite number > 0"),
+        (["--measured", "1000:1e400"], "SECONDS must be a finite number > 0"),
+        (["--measured", "1000:1e-320"], "not a finite throughput"),
+        (["--measured", f"{NINES}:1"], "TOKENS must be an integer in [1, 2147483647]"),
+        (["--tflops", "inf"], "tflops: expected a finite number > 0"),
+        (["--tflops", "1e300"], "tflops: expected a finite number > 0"),
+        (["--tier", f"nvme:{NINES}GB/s"], "is not a finite bandwidth"),
+        (["--tier", f"nvme:1GB/s:{NINES}s"], "is not a finite duration"),
+    ],
+)
+def test_plan_refuses_non_finite_figures(capsys, argv, message):
+    assert message in plan_error(capsys, "--model", "llama-3.1-8b", *argv)
+
+
+HF_CONFIG = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+MODEL = {
+    "name": "m",
+    "num_params": 1000,
+    "num_layers": 2,
+    "num_heads": 4,
+    "head_size": 16,
+    "num_kv_heads": 2,
+    "kv_head_size": 16,
+}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"model": 5}', "'model' must be a table"),
+        (json.dumps({**HF_CONFIG, "num_attention_heads": 0}), "num_attention_heads: expected"),
+        ('{"hidden_size": 1e400, "num_hidden_layers": 2}', "hidden_size: expected an integer"),
+        (
+            json.dumps({**HF_CONFIG, "max_position_embeddings": float("nan")}),
+            "max_position_embeddings: expected an integer",
+        ),
+        (json.dumps({**MODEL, "num_params": int(NINES)}), "model.num_params: expected an integer"),
+        (json.dumps({**MODEL, "v_head_size": -5}), "model.v_head_size: expected an integer"),
+        (json.dumps({**MODEL, "total_params": "lots"}), "model.total_params: expected an integer"),
+        (json.dumps({**MODEL, "dtype": []}), "model.dtype: [] is not one of"),
+        ("[" * 100_000, "nested too deep"),
+    ],
+)
+def test_plan_refuses_bad_model_files_naming_the_field(tmp_path, capsys, text, message):
+    path = tmp_path / "m.json"
+    path.write_text(text)
+    assert message in plan_error(capsys, "--model", str(path))
+
+
+@pytest.mark.parametrize(
+    "figures, message",
+    [
+        ({"read_bandwidth": int(NINES), "read_latency": 0.001}, "must be finite numbers"),
+        ({"read_bandwidth": float("inf"), "read_latency": 0.001}, "bandwidth must be a finite"),
+        ({"read_bandwidth": 1e9, "read_latency": float("nan")}, "latency must be a finite"),
+    ],
+)
+def test_plan_refuses_non_finite_bench_figures(tmp_path, capsys, figures, message):
+    path = tmp_path / "bench.json"
+    tier = {"name": "dram", "status": "measured", **figures}
+    path.write_text(json.dumps({"kvtiers_bench": 1, "tiers": [tier]}))
+    line = plan_error(capsys, "--model", "llama-3.1-8b", "--tiers-from", str(path))
+    assert f"--tiers-from {path}" in line and message in line

@@ -17,6 +17,7 @@ from kvtiers.eviction import available_policies
 from kvtiers.replay import TierSpec, ideal_hits, optimum, read_trace, replay, single_tier
 from kvtiers.tiers import _lmdb_format
 from kvtiers.tiers.lmdb import LMDBTier
+from tests._cli_errors import one_line_error
 from tests.replay._factories import (
     CONVERSATION,
     SYNTHETIC,
@@ -266,3 +267,22 @@ def test_sandbox_moves_stores_into_the_work_dir(tmp_path):
 def test_sandbox_refuses_stores_it_cannot_move(tmp_path):
     with pytest.raises(ConfigError, match="cannot keep a 'redis' tier off its store"):
         sandbox_config([TierSpec("pool", 10, "lru", "redis")], LAYOUT, tmp_path)
+
+
+def test_blocks_past_the_machines_memory_are_refused_before_the_replay(capsys):
+    argv = ["replay", str(SYNTHETIC), "--limit", "5", "--no-progress", "--full"]
+    line = one_line_error(capsys, main([*argv, "--block-bytes", "1TiB"]), status=2)
+    assert "--full: blocks of 1.00 TiB need about" in line
+    assert "give a smaller --block-bytes, --capacity or --limit" in line
+
+
+def test_a_buffer_that_cannot_be_allocated_is_a_one_line_error(capsys, monkeypatch):
+    from kvtiers import _cli_replay_full
+
+    async def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 4.00 KiB")
+
+    monkeypatch.setattr(_cli_replay_full, "replay_full", no_memory)
+    code = main(["replay", str(SYNTHETIC), "--limit", "5", "--no-progress", "--full"])
+    line = one_line_error(capsys, code, status=2)
+    assert "--full: cannot allocate buffers for blocks of 4.00 KiB" in line
