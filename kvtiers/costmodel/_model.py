@@ -180,7 +180,7 @@ def load_model(spec: str) -> ModelSpec:
     if "num_hidden_layers" in data:
         return _from_hf_config(data, default_name=path.parent.name or path.stem)
     known = {f.name for f in fields(ModelSpec)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)
     if unknown:
         raise ConfigError(f"model.{unknown[0]}: unknown key; expected {', '.join(sorted(known))}")
     try:
