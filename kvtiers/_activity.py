@@ -21,11 +21,6 @@ class Activity:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @property
-    def active(self) -> int:
-        """Calls in flight now."""
-        return self._active
-
     def enter(self) -> None:
         """Record a call that started."""
         self._active += 1
