@@ -49,6 +49,8 @@ class BadEntry:
     """"corrupt" (header, length or checksum) or "foreign" (its header names another key)."""
     path: str = ""
     """Where the object is, for a remote store ("" for an LMDB entry)."""
+    num_bytes: int = 0
+    """Bytes the value or object takes."""
 
 
 @dataclass(slots=True)
@@ -126,7 +128,8 @@ def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
                         result.checked += 1
                         bar.update()
                         if problem is not None:
-                            result.bad.append(BadEntry(key.hex(), fingerprint, problem))
+                            bad = BadEntry(key.hex(), fingerprint, problem, "", len(raw))
+                            result.bad.append(bad)
                     else:
                         peeked = fmt.peek_header(raw)
                         fingerprint = _UNREADABLE if peeked is None else peeked[0].hex()
@@ -172,7 +175,9 @@ async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any
                     continue
                 fingerprint, problem = _verdict(raw, obj.key)
                 if problem is not None:
-                    result.bad.append(BadEntry(obj.key.hex(), fingerprint, problem, obj.path))
+                    result.bad.append(
+                        BadEntry(obj.key.hex(), fingerprint, problem, obj.path, len(raw))
+                    )
     return result
 
 

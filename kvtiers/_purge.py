@@ -157,7 +157,7 @@ def _purge_remote(
         paths = [f"{root}/{fingerprint}"]
     else:
         paths = [bad.path for bad in found.bad]
-        report.removed = len(paths)
+        report.removed, report.removed_bytes = len(paths), sum(b.num_bytes for b in found.bad)
         report.kept = found.checked - len(paths)
     if report.dry_run or not paths:
         return

@@ -148,7 +148,7 @@ def test_remote_purge_by_layout_and_bad(tmp_path, layout, capsys):
     data[-3] ^= 0xFF
     victim.write_bytes(bytes(data))
     bad = purge_json(capsys, url, "--bad")
-    assert (bad["removed"], bad["kept"]) == (1, 5)
+    assert (bad["removed"], bad["kept"], bad["removed_bytes"]) == (1, 5, len(data))
     assert not victim.exists()
     fp = TieredCache.from_config(other).layout.fingerprint.hex()
     gone = purge_json(capsys, url, "--fingerprint", fp)
