@@ -68,7 +68,9 @@ def _check_memory(name: str, tensor: torch.Tensor, *, writable: bool) -> None:
         return
     if tensor.requires_grad:
         raise LayoutMismatch(f"{name}: requires grad; pass a tensor outside autograd")
-    if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape, strict=True)):
+    strides = tensor.stride()
+    # NOTE: the membership test first: it is cheap, and the chunk checks run per chunk.
+    if 0 in strides and any(st == 0 and n > 1 for st, n in zip(strides, tensor.shape, strict=True)):
         raise LayoutMismatch(f"{name}: elements overlap (an expanded view); it cannot be filled")
 
 
