@@ -41,12 +41,13 @@ _MAX_FRAME = 1 << 30  # 1 GiB: far above any prompt, guards against a garbled st
 
 
 def socket_path(directory: str | os.PathLike[str], engine_id: str, dp_rank: int, rank: int) -> str:
-    """Return the socket path of one worker rank of one engine.
+    """Return the socket path of one worker of one engine.
 
+    `rank` is the worker's rank in its data-parallel group, `pp_rank * tp_size + tp_rank`.
     The engine id is hashed so the path stays under the 107-byte limit of Unix sockets.
     """
     tag = xxhash.xxh64_hexdigest(engine_id.encode())
-    return str(Path(directory) / f"kvtiers-{tag}-dp{dp_rank}-tp{rank}.sock")
+    return str(Path(directory) / f"kvtiers-{tag}-dp{dp_rank}-r{rank}.sock")
 
 
 def _frame(body: Any) -> bytes:

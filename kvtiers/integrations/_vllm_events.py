@@ -317,14 +317,15 @@ _E = TypeVar("_E", bound=Hashable)
 
 
 class EventQuorum(Generic[_E]):
-    """Pass an event on once every TP rank reported it; hold the rest.
+    """Pass an event on once every worker reported it; hold the rest.
 
-    Ranks finish their background stores at different steps, so a rank's event may come
+    The workers are the TP ranks of every pipeline stage, each storing its own shard.
+    They finish their background stores at different steps, so a worker's event may come
     a few steps after another's; equal events are counted across steps. With one rank,
     events pass straight through.
 
     Args:
-        num_ranks: the TP ranks that report events.
+        num_ranks: the workers that report events (TP size x pipeline stages).
         max_pending: events held at most; past it the oldest is dropped and counted.
     """
 

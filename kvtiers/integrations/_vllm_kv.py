@@ -1,13 +1,18 @@
 """Copies between vLLM's paged KV (one tensor per layer) and kvtiers' chunk payload layout.
 
-kvtiers holds KV as `(num_layers, 2, tokens, num_kv_heads, head_size)`; vLLM holds it in
-blocks of `block_size` tokens, one tensor per attention layer. Two per-layer layouts:
+kvtiers holds KV as `(num_layers, 2, tokens, num_kv_heads, head_size)` (MLA: `(num_layers,
+1, tokens, latent)`); vLLM holds it in blocks of `block_size` tokens, one tensor per
+attention layer. The per-layer layouts:
 
 - `"cpu"`: vLLM's CPU attention backend, `[num_blocks, num_kv_heads, block_size,
   2 * head_size]`. Seen as `[num_blocks, num_kv_heads, 2, block_size, head_size]`: within a
   block, for each head, the first `block_size` rows of `head_size` hold K, the next V.
 - `"flash"` (NHD): vLLM's flash-attention layout, `[2, num_blocks, block_size, num_kv_heads,
   head_size]`; `"flash_hnd"`: `[2, num_blocks, num_kv_heads, block_size, head_size]`.
+- `"mla"`: multi-head latent attention, `[num_blocks, 1, block_size, latent]` (vLLM's
+  `(blocks, heads, tokens, elements)` form with one head; `[num_blocks, block_size, latent]`
+  is accepted too): one latent vector per token (`kv_lora_rank + qk_rope_head_dim`), the
+  same on every TP rank.
 
 Copies move whole blocks: one `index_select` (gather) or `index_copy_` (scatter) per layer
 over the block ids, never a per-token Python loop.
@@ -24,7 +29,7 @@ from kvtiers.core.errors import LayoutMismatch
 
 __all__ = ["PagedLayout", "detect_layout"]
 
-PagedKind = Literal["cpu", "flash", "flash_hnd"]
+PagedKind = Literal["cpu", "flash", "flash_hnd", "mla"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,24 +43,27 @@ class PagedLayout:
     block_size: int
     """Tokens per block."""
     num_kv_heads: int
-    """KV heads per token on this rank."""
+    """KV heads per token on this rank (1 for `"mla"`)."""
     head_size: int
-    """Elements per head."""
+    """Elements per head (for `"mla"`: the latent width)."""
 
     def blocks_view(self, layer: torch.Tensor) -> torch.Tensor:
         """Return `layer` viewed with the block axis first (no copy).
 
-        The view is `[num_blocks, num_kv_heads, 2, block_size, head_size]` for `"cpu"` and
-        `[2, num_blocks, ...]` for the flash layouts.
+        The view is `[num_blocks, num_kv_heads, 2, block_size, head_size]` for `"cpu"`,
+        `[2, num_blocks, ...]` for the flash layouts and `[num_blocks, block_size, latent]`
+        for `"mla"`.
         """
         if self.kind == "cpu":
             return layer.view(
                 self.num_blocks, self.num_kv_heads, 2, self.block_size, self.head_size
             )
+        if self.kind == "mla":
+            return layer.view(self.num_blocks, self.block_size, self.head_size)
         return layer
 
     def _block_axis(self) -> int:
-        return 0 if self.kind == "cpu" else 1
+        return 0 if self.kind in ("cpu", "mla") else 1
 
     def _to_payload(self, blocks: torch.Tensor) -> torch.Tensor:
         """Permute selected blocks to `(2, nb, block_size, heads, head_size)` (a view)."""
@@ -79,10 +87,14 @@ class PagedLayout:
         Args:
             layer: one layer of vLLM's paged KV.
             block_ids: int64 block ids, in token order, on `layer`'s device.
-            out: `(2, len(block_ids) * block_size, num_kv_heads, head_size)`, any device.
+            out: `(2, len(block_ids) * block_size, num_kv_heads, head_size)`, any device
+                (`(1, len(block_ids) * block_size, head_size)` for `"mla"`).
         """
         nb = block_ids.numel()
         picked = self.blocks_view(layer).index_select(self._block_axis(), block_ids)
+        if self.kind == "mla":  # (nb, bs, D): the payload's token order already
+            out.view(nb, self.block_size, self.head_size).copy_(picked)
+            return
         dst = out.view(2, nb, self.block_size, self.num_kv_heads, self.head_size)
         dst.copy_(self._to_payload(picked))
 
@@ -92,9 +104,14 @@ class PagedLayout:
         Args:
             layer: one layer of vLLM's paged KV, written in place.
             block_ids: int64 block ids, in token order, on `layer`'s device.
-            src: `(2, len(block_ids) * block_size, num_kv_heads, head_size)`, any strides.
+            src: `(2, len(block_ids) * block_size, num_kv_heads, head_size)`, any strides
+                (`(1, len(block_ids) * block_size, head_size)` for `"mla"`).
         """
         nb = block_ids.numel()
+        if self.kind == "mla":
+            blocks = src.reshape(nb, self.block_size, self.head_size).to(layer.device)
+            self.blocks_view(layer).index_copy_(0, block_ids, blocks.contiguous())
+            return
         payload = src.reshape(2, nb, self.block_size, self.num_kv_heads, self.head_size)
         blocks = self._from_payload(payload.to(layer.device, non_blocking=True))
         self.blocks_view(layer).index_copy_(self._block_axis(), block_ids, blocks.contiguous())
@@ -107,13 +124,16 @@ def detect_layout(
     num_kv_heads: int,
     head_size: int,
     prefer_hnd: bool = False,
+    mla: bool = False,
 ) -> PagedLayout:
     """Recognise one layer tensor of vLLM's paged KV.
 
     Args:
         layer: a tensor `register_kv_caches` received.
-        block_size, num_kv_heads, head_size: what the model config says.
+        block_size, num_kv_heads, head_size: what the model config says (for MLA: one
+            head of the latent width).
         prefer_hnd: pick the HND flash layout when heads and block size are equal.
+        mla: the model uses multi-head latent attention.
 
     Raises:
         LayoutMismatch: the shape is none of the known layouts, or not contiguous.
@@ -121,6 +141,13 @@ def detect_layout(
     shape = tuple(layer.shape)
     if not layer.is_contiguous():
         raise LayoutMismatch(f"vLLM KV cache layer {shape} is not contiguous")
+    if mla:
+        if shape[1:] in ((1, block_size, head_size), (block_size, head_size)):
+            return PagedLayout("mla", shape[0], block_size, 1, head_size)
+        raise LayoutMismatch(
+            f"vLLM MLA KV cache layer {shape} is not [blocks, 1, block_size={block_size}, "
+            f"latent={head_size}]"
+        )
     if len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_size):
         return PagedLayout("cpu", shape[0], block_size, num_kv_heads, head_size)
     if len(shape) == 5 and shape[0] == 2 and shape[4] == head_size:
@@ -132,8 +159,8 @@ def detect_layout(
             return PagedLayout("flash_hnd", shape[1], block_size, num_kv_heads, head_size)
     if len(shape) == 3:
         raise LayoutMismatch(
-            f"vLLM KV cache layer {shape} looks like MLA's latent cache, which the kvtiers "
-            "vLLM connector does not handle yet"
+            f"vLLM KV cache layer {shape} looks like MLA's latent cache, but the model "
+            "config does not use MLA"
         )
     raise LayoutMismatch(
         f"vLLM KV cache layer {shape} matches no known layout for block_size={block_size}, "

@@ -6,8 +6,8 @@ Load it with::
       "kv_connector_module_path": "kvtiers.integrations.vllm",
       "kv_connector_extra_config": {"config": "/etc/kvtiers/tiers.toml"}}'
 
-The layout (layers, KV heads, head size, dtype, TP rank and size, model name and revision)
-comes from vLLM; the tiers from the kvtiers config. See docs/vllm.md.
+The layout (layers, KV heads, head size, dtype, TP rank and size, pipeline stage, model name
+and revision) comes from vLLM; the tiers from the kvtiers config. See docs/vllm.md.
 
 This module imports vLLM; `import kvtiers` never imports it.
 """
@@ -63,9 +63,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Serve vLLM's prefix KV from kvtiers tiers, and store what vLLM computes.
 
     The scheduler-side instance answers how many prompt tokens kvtiers holds and plans
-    each step's loads and saves; the worker-side instance (one per TP rank) owns the
-    `TieredCache` and moves KV layer by layer. A tier failure is a miss: logged, counted,
-    and recomputed by vLLM.
+    each step's loads and saves; the worker-side instance (one per TP rank of each
+    pipeline stage) owns the `TieredCache` of its shard and moves KV layer by layer. A
+    tier failure is a miss: logged, counted, and recomputed by vLLM.
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -81,6 +81,8 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._chunk_size = chunk_size_for(self._block_size, self._settings.chunk_size)
         parallel = vllm_config.parallel_config
         self._tp_size = int(parallel.tensor_parallel_size)
+        self._pp_size = int(parallel.pipeline_parallel_size)
+        self._num_ranks = self._tp_size * self._pp_size  # workers, each with its own shard
         self._dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._socket_dir = self._settings.socket_dir or tempfile.gettempdir()
@@ -99,7 +101,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 kv_events=kv_events,
             )
             if kv_events:
-                self._quorum = EventQuorum(self._tp_size, self._settings.event_chunks)
+                self._quorum = EventQuorum(self._num_ranks, self._settings.event_chunks)
             if self._settings.on_load_error == "recompute":
                 # NOTE: vLLM reads this right after building the scheduler-side connector;
                 # kvtiers is a cache, so a failed load is recomputed, never an error.
@@ -110,7 +112,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def _make_lookup(self) -> Lookup:
         """Find where lookups go: the worker's cache in this process, or the channel."""
-        entry = CACHES.find(self._engine_id, 0) if self._tp_size == 1 else None
+        entry = CACHES.find(self._engine_id, 0) if self._num_ranks == 1 else None
         if entry is not None:
             found = entry
 
@@ -122,7 +124,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         loop = LoopThread(name="kvtiers-lookup")
         paths = [
             socket_path(self._socket_dir, self._engine_id, self._dp_rank, rank)
-            for rank in range(self._tp_size)
+            for rank in range(self._num_ranks)
         ]
         client = LookupClient(paths)
         self._parts["client"] = (loop, client)
@@ -198,50 +200,62 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             logger.exception("kvtiers: the cache could not be opened; the connector is off")
 
     def _worker_layout(self, kv_caches: dict[str, torch.Tensor]) -> tuple[PagedLayout, KVLayout]:
-        """Return vLLM's paged layout of `kv_caches` and this rank's chunk layout."""
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        """Return vLLM's paged layout of `kv_caches` and this rank's chunk layout.
 
+        A pipeline stage holds only its own layers; its stage goes into the model name
+        (`<model>#pp<stage>/<stages>`), so stages never share a key. MLA's latent cache is
+        the same on every TP rank, so all ranks share one layout (TP rank 0 of 1): a pool
+        stored at one TP size serves another.
+        """
         config = self._vllm_config
         model = config.model_config
         first = next(iter(kv_caches.values()))
+        mla = bool(model.use_mla)
         paged = detect_layout(
             first,
             block_size=self._block_size,
-            num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+            num_kv_heads=1 if mla else model.get_num_kv_heads(config.parallel_config),
             head_size=model.get_head_size(),
+            mla=mla,
         )
+        sharded = self._tp_size > 1 and not mla
+        name = self._settings.model_name or str(model.model)
+        if self._pp_size > 1:
+            name = f"{name}#pp{_pp_rank()}/{self._pp_size}"
         layout = KVLayout(
-            model=self._settings.model_name or str(model.model),
+            model=name,
             model_revision=str(model.revision or ""),
             num_layers=len(kv_caches),
             num_kv_heads=paged.num_kv_heads,
             head_size=paged.head_size,
             dtype=str(first.dtype).removeprefix("torch."),
             chunk_size=self._chunk_size,
-            tp_rank=get_tensor_model_parallel_rank() if self._tp_size > 1 else 0,
-            tp_size=self._tp_size,
+            tp_rank=_tp_rank() if sharded else 0,
+            tp_size=self._tp_size if sharded else 1,
+            kind="mla" if mla else "mha",
         )
         return paged, layout
 
     def _start_worker(self, kv_caches: dict[str, torch.Tensor]) -> WorkerSide:
         config = self._vllm_config
         paged, layout = self._worker_layout(kv_caches)
-        tp_rank = layout.tp_rank
+        tp_rank = _tp_rank() if self._tp_size > 1 else 0
+        rank = _pp_rank() * self._tp_size + tp_rank if self._pp_size > 1 else tp_rank
         source = self._settings.tiers_source()
         entry = CACHES.acquire(
             (config_identity(source), layout),
             lambda: TieredCache.from_config(source, layout=layout),
         )
         self._parts["entry"] = entry
-        CACHES.publish(self._engine_id, tp_rank, entry)
-        path = socket_path(self._socket_dir, self._engine_id, self._dp_rank, tp_rank)
+        CACHES.publish(self._engine_id, rank, entry)
+        path = socket_path(self._socket_dir, self._engine_id, self._dp_rank, rank)
         server = LookupServer(path, lambda tokens, salt: entry.cache.lookup(tokens, salt=salt))
         entry.loop.run(server.start(), 30)
         entry.extras[path] = server
         self._parts["server"] = server
         logger.info(
             "kvtiers: worker rank %d serves %s (%s layout, chunk %d tokens, lookups on %s)",
-            tp_rank,
+            rank,
             layout.model,
             paged.kind,
             layout.chunk_size,
@@ -375,10 +389,26 @@ def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
             f"KVTiersConnector needs full-attention KV, not {type(spec).__name__}; pass "
             "--disable-hybrid-kv-cache-manager"
         )
-    if int(vllm_config.parallel_config.pipeline_parallel_size) > 1:
-        raise ValueError("KVTiersConnector does not support pipeline parallelism yet")
-    if vllm_config.model_config.use_mla:
-        raise ValueError("KVTiersConnector does not handle MLA models yet")
+    parallel = vllm_config.parallel_config
+    for option in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if int(getattr(parallel, option, 1) or 1) > 1:
+            # NOTE: context parallelism splits a request's tokens across ranks, so no rank
+            # holds whole chunks.
+            raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
+
+
+def _tp_rank() -> int:
+    """Return this worker's TP rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _pp_rank() -> int:
+    """Return this worker's pipeline stage."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return int(get_pp_group().rank_in_group)
 
 
 def _shut_down(parts: dict[str, Any]) -> None:

@@ -1,7 +1,9 @@
 """Build a tiny random-weight Llama and a byte-level BPE tokenizer, offline, into a folder.
 
 Run with the vLLM virtualenv's python: `python build_tiny_llama.py OUT_DIR [--layers N
---hidden H]` (2 layers of 256 by default; benchmarks ask for bigger ones). Deterministic:
+--hidden H] [--mla]` (2 layers of 256 by default; benchmarks ask for bigger ones). With
+`--mla` the model is a dense DeepSeek-V2 instead (multi-head latent attention, the latent
+of 512 + 64 that vLLM's CPU MLA kernel requires). Deterministic:
 the same seed gives the same weights, so greedy outputs agree across processes.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 WORDS = (
@@ -61,10 +64,10 @@ def _sentences(count: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) for _ in range(count)]
 
 
-def build(out: Path, layers: int = 2, hidden: int = 256) -> None:
+def build(out: Path, layers: int = 2, hidden: int = 256, mla: bool = False) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -82,6 +85,13 @@ def build(out: Path, layers: int = 2, hidden: int = 256) -> None:
     fast.save_pretrained(out)
 
     torch.manual_seed(0)
+    model = _deepseek_v2(layers, hidden) if mla else _llama(layers, hidden)
+    model.to(torch.bfloat16).save_pretrained(out)
+
+
+def _llama(layers: int, hidden: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
@@ -95,8 +105,33 @@ def build(out: Path, layers: int = 2, hidden: int = 256) -> None:
         eos_token_id=1,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
+    return LlamaForCausalLM(config)
+
+
+def _deepseek_v2(layers: int, hidden: int) -> Any:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=layers,  # every layer dense: no experts
+        n_routed_experts=4,  # unused: no layer has experts
+        moe_intermediate_size=hidden,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+    )
+    return DeepseekV2ForCausalLM(config)
 
 
 if __name__ == "__main__":
@@ -104,5 +139,6 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--mla", action="store_true")
     args = parser.parse_args()
-    build(args.out, args.layers, args.hidden)
+    build(args.out, args.layers, args.hidden, args.mla)

@@ -150,6 +150,19 @@ def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight dense DeepSeek-V2 (MLA) with a tokenizer, built offline."""
+    out = tmp_path_factory.mktemp("tiny-deepseek")
+    subprocess.run(
+        [str(vllm_python), str(HERE / "build_tiny_llama.py"), str(out), "--mla"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out
+
+
 def scenario_env() -> dict[str, str]:
     """Return the environment of a scenario subprocess (no stray venv, quiet, 1 GiB KV)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

@@ -7,6 +7,7 @@ Each scenario runs as a subprocess with the vLLM virtualenv's python
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,78 @@ def test_default_multiprocess_mode_reports_worker_saved_hits(
     assert run["first"][0]["cached"] == 0
     assert all(o["cached"] >= PREFIX for o in run["all"])
     assert tokens(run["all"]) == tokens(result["baseline"])[: len(run["all"])]
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two CPUs to bind to"
+)
+def test_tensor_parallel_ranks_store_their_shards_and_answer_the_minimum(
+    vllm_python, tiny_llama, tmp_path
+):
+    run = result_of(start(vllm_python, tiny_llama, tmp_path, "tp2"), timeout=900)
+    baseline = tokens(run["baseline"])
+    # Each rank stored its own shard, under its own layout, as many chunks as the other.
+    layouts = run["layouts"]
+    assert len(layouts) == 2 and layouts[0]["entries"] == layouts[1]["entries"] > 0
+    # Engine A: the first prompt is computed; the others get the prefix from both ranks' DRAM.
+    assert run["first"][0]["cached"] == 0
+    assert all(o["cached"] >= PREFIX for o in run["stored"][1:])
+    assert tokens(run["stored"]) == baseline
+    # Engine B, fresh processes: both ranks hit in LMDB.
+    assert all(o["cached"] >= PREFIX for o in run["restart"])
+    assert tokens(run["restart"]) == baseline
+    # Engine C: one rank's chunks are gone, so the scheduler is told the minimum, nothing;
+    # the recompute stores that rank's shard again, and the next prompts hit.
+    assert run["purge_status"] == 0
+    assert run["one_rank_purged"][0]["cached"] == 0
+    assert all(o["cached"] >= PREFIX for o in run["healed"])
+    assert tokens(run["one_rank_purged"]) == baseline[:1]
+    assert tokens(run["healed"]) == baseline
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two CPUs to bind to"
+)
+def test_pipeline_stages_store_their_layers_and_a_fresh_engine_hits_on_both(
+    vllm_python, tiny_llama, tmp_path
+):
+    run = result_of(start(vllm_python, tiny_llama, tmp_path, "pp2"), timeout=900)
+    baseline = tokens(run["baseline"])
+    # Each stage stored its own layer (one of the model's two) under its own layout.
+    layouts = run["layouts"]
+    assert len(layouts) == 2 and layouts[0]["entries"] == layouts[1]["entries"] > 0
+    assert run["first"][0]["cached"] == 0
+    assert all(o["cached"] >= PREFIX for o in run["stored"][1:])
+    assert tokens(run["stored"]) == baseline
+    assert all(o["cached"] >= PREFIX for o in run["restart"])
+    assert tokens(run["restart"]) == baseline
+
+
+def test_mla_latents_are_stored_reloaded_and_attended_to(vllm_python, tiny_deepseek, tmp_path):
+    run = result_of(start(vllm_python, tiny_deepseek, tmp_path, "mla"))
+    baseline = tokens(run["baseline"])
+    # One latent vector per token (kv_lora_rank 512 + rope 64), in vLLM's CPU MLA blocks.
+    assert run["layout"] == {"kind": "mla", "heads": 1, "dim": 576}
+    assert run["block_size"] == 16
+    assert run["first"][0]["cached"] == 0
+    assert all(o["cached"] >= PREFIX for o in run["stored"][1:])
+    assert tokens(run["stored"]) == baseline
+    # A fresh engine (empty DRAM tier) loads the latents from LMDB.
+    assert all(o["cached"] >= PREFIX for o in run["restart"])
+    assert run["restart_tier_hits"]["lmdb"] > 0
+    assert tokens(run["restart"]) == baseline
+    # Other latents under the same keys change every output: the engine attends to them.
+    assert run["other_values_stored"] > 0
+    assert all(o["cached"] >= PREFIX for o in run["replaced"])
+    for replaced, base in zip(tokens(run["replaced"]), baseline, strict=True):
+        assert replaced != base
+    if len(os.sched_getaffinity(0)) < 2:
+        return  # two CPU workers need two CPUs to bind to
+    # A TP 2 engine on the same LMDB path reuses what TP 1 stored: one layout for all ranks.
+    tp2 = result_of(start(vllm_python, tiny_deepseek, tmp_path, "mla-tp2"))
+    assert all(o["cached"] >= PREFIX for o in tp2["reused"])
+    assert tokens(tp2["reused"]) == tokens(tp2["baseline"])
+    assert len(tp2["layouts"]) == 1
 
 
 def test_importing_kvtiers_never_imports_vllm(inprocess):

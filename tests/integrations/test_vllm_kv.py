@@ -80,11 +80,32 @@ def test_scatter_then_gather_round_trips_strided_sources():
     assert torch.equal(out, src)
 
 
-def test_detect_layout_rejects_unknown_and_mla_shapes():
+@pytest.mark.parametrize("shape", [(NB, 1, BS, 576), (NB, BS, 576)])
+def test_mla_latent_blocks_round_trip_and_only_the_given_blocks_change(shape):
+    latent = 576
+    layer = torch.randn(shape).to(torch.bfloat16)
+    blocks = layer.view(NB, BS, latent)  # the same memory, one latent row per token
+    paged = detect_layout(layer, block_size=BS, num_kv_heads=1, head_size=latent, mla=True)
+    assert (paged.kind, paged.num_kv_heads) == ("mla", 1)
+    out = torch.empty(1, 2 * BS, latent, dtype=torch.bfloat16)
+    paged.gather(layer, torch.tensor([4, 1]), out)
+    assert torch.equal(out[0], torch.cat([blocks[4], blocks[1]]))
+    before = blocks.clone()
+    src = torch.randn(3, 1, 3 * BS, latent).to(torch.bfloat16)[1, :, BS:]  # strided
+    paged.scatter(layer, torch.tensor([5, 0]), src)
+    assert torch.equal(blocks[5], src[0, :BS]) and torch.equal(blocks[0], src[0, BS:])
+    assert torch.equal(blocks[1:5], before[1:5])
+
+
+def test_detect_layout_rejects_unknown_and_mismatched_mla_shapes():
     with pytest.raises(LayoutMismatch, match="no known layout"):
         detect_layout(torch.zeros(NB, H, BS, D), block_size=BS, num_kv_heads=H, head_size=D)
-    with pytest.raises(LayoutMismatch, match="MLA"):
+    with pytest.raises(LayoutMismatch, match="does not use MLA"):
         detect_layout(torch.zeros(NB, BS, 576), block_size=BS, num_kv_heads=1, head_size=576)
+    with pytest.raises(LayoutMismatch, match="latent=576"):
+        detect_layout(
+            torch.zeros(NB, BS, 512), block_size=BS, num_kv_heads=1, head_size=576, mla=True
+        )
     with pytest.raises(LayoutMismatch, match="contiguous"):
         layer = torch.zeros(NB, H, BS, 4 * D)[..., : 2 * D]
         detect_layout(layer, block_size=BS, num_kv_heads=H, head_size=D)

@@ -13,6 +13,19 @@ Scenarios:
   hits on what `inprocess` stored, then on what the concurrently running writer stores.
 - `multiprocess`: vLLM's default mode (scheduler and worker in separate processes), with
   only a DRAM tier, so every hit the scheduler reports went through the lookup channel.
+- `tp2`: tensor parallelism 2 in vLLM's default mode (two worker processes, each storing
+  its own shard under its own layout): engine A stores through DRAM and LMDB; a fresh
+  engine B hits from LMDB on both ranks; after one rank's chunks are purged, a fresh engine
+  C is answered the minimum over ranks (nothing), recomputes, and so stores the missing
+  shard again.
+- `pp2`: pipeline parallelism 2 (two stages, one layer each, each storing its layers under
+  its own layout): engine A stores through DRAM and LMDB; a fresh engine B hits from LMDB
+  on both stages.
+- `mla`: a DeepSeek-V2 model (multi-head latent attention, vLLM's CPU MLA backend): engine A
+  stores the latent KV; a fresh engine B loads it from LMDB; engine C runs on latents
+  replaced (through the public API) by other values.
+- `mla-tp2`: after `mla`, on its LMDB path: a TP 2 engine reuses what the TP 1 engines
+  stored (MLA's latents are the same on every rank, so every rank uses one layout).
 - `events`: vLLM's KV events on (published over ZMQ, received here as a router would) and
   kvtiers' `events` on, with a DRAM tier of four chunks: a prompt set is stored, a second
   one evicts it. Also feeds two ranks' events through vLLM's output aggregator.
@@ -22,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import io
 import json
 import os
 import pickle
@@ -74,6 +89,8 @@ class Engine:
         *,
         prefix_caching: bool,
         kv_events_endpoint: str | None = None,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ) -> None:
         from vllm import LLM, SamplingParams
         from vllm.config import KVEventsConfig
@@ -82,16 +99,23 @@ class Engine:
         if kv_events_endpoint is not None:
             events = KVEventsConfig(enable_kv_cache_events=True, endpoint=kv_events_endpoint)
 
+        # NOTE: vLLM's CPU runner allocates a later pipeline stage's buffers in its warm-up,
+        # which eager mode skips; torch.compile with dynamo's eager backend keeps the warm-up
+        # and compiles nothing.
+        compiled = {"mode": 1, "backend": "eager"} if pipeline_parallel > 1 else None
         started = time.perf_counter()
         self.llm = LLM(
             model=model,
             dtype="bfloat16",
-            enforce_eager=True,
+            enforce_eager=compiled is None,
+            compilation_config=compiled,
             block_size=BLOCK,
             max_model_len=1024,
             enable_prefix_caching=prefix_caching,
             kv_transfer_config=transfer_config(config) if config is not None else None,
             kv_events_config=events,
+            tensor_parallel_size=tensor_parallel,
+            pipeline_parallel_size=pipeline_parallel,
             seed=0,
         )
         self.start_seconds = time.perf_counter() - started
@@ -214,6 +238,46 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
+def scenario_mla(model: str, work: Path) -> dict[str, Any]:
+    prompts = make_prompts(seed=0)
+    result: dict[str, Any] = {}
+    base = Engine(model, None, prefix_caching=False)
+    result["baseline"] = base.generate(prompts)
+    base.close()
+    a = Engine(model, tiers(work), prefix_caching=False)
+    result["first"] = a.generate(prompts[:1])
+    result["stored"] = a.generate(prompts)
+    layout = a.connector.layout
+    result["layout"] = {"kind": layout.kind, "heads": layout.num_kv_heads, "dim": layout.head_size}
+    result["block_size"] = a.llm.llm_engine.vllm_config.cache_config.block_size
+    a.close()  # closes the cache: engine B starts with an empty DRAM tier
+    b = Engine(model, tiers(work), prefix_caching=False)
+    result["restart"] = b.generate(prompts)
+    result["restart_tier_hits"] = tier_hits(b.connector)
+    b.close()
+    negative = tiers(work, lmdb_name="lmdb-other")
+    result["other_values_stored"] = asyncio.run(store_other_values(negative, layout, prompts))
+    c = Engine(model, negative, prefix_caching=False)
+    result["replaced"] = c.generate(prompts)
+    c.close()
+    return result
+
+
+def scenario_mla_tp2(model: str, work: Path) -> dict[str, Any]:
+    """After `mla` (TP 1) stored its latents in LMDB: a TP 2 engine reuses them."""
+    _bind_ranks(2)
+    prompts = make_prompts(seed=0)
+    result: dict[str, Any] = {}
+    engine = Engine(model, None, prefix_caching=False, tensor_parallel=2)
+    result["baseline"] = engine.generate(prompts)
+    engine.close()
+    engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2)
+    result["reused"] = engine.generate(prompts)
+    engine.close()
+    result["layouts"] = _layouts_in(work / "lmdb")
+    return result
+
+
 def scenario_shared(model: str, work: Path, role: str) -> dict[str, Any]:
     """One of two concurrent engine processes on the LMDB path of `inprocess`."""
     flag = work / "writer-stored"
@@ -251,6 +315,74 @@ def scenario_multiprocess(model: str, work: Path) -> dict[str, Any]:
     rest = engine.generate(prompts)
     engine.close()
     return {"first": first, "all": rest, "start_seconds": engine.start_seconds}
+
+
+def _bind_ranks(count: int) -> None:
+    """Give each CPU worker its own share of this process's CPUs (vLLM's auto binding
+    wants one NUMA node per worker)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // count
+    lists = [cpus[i * share : (i + 1) * share] for i in range(count)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in lists)
+
+
+def _layouts_in(path: Path) -> list[dict[str, Any]]:
+    """Return `kvtiers inspect --json`'s namespaces of the LMDB environment at `path`."""
+    from kvtiers.cli import main as kvtiers_cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = kvtiers_cli(["inspect", str(path), "--json"])
+    if status != 0:
+        raise RuntimeError(f"kvtiers inspect exited {status}")
+    namespaces: list[dict[str, Any]] = json.loads(out.getvalue())["namespaces"]
+    return namespaces
+
+
+def scenario_tp2(model: str, work: Path) -> dict[str, Any]:
+    _bind_ranks(2)
+    prompts = make_prompts(seed=3)
+    result: dict[str, Any] = {}
+    engine = Engine(model, None, prefix_caching=False, tensor_parallel=2)
+    result["baseline"] = engine.generate(prompts)
+    engine.close()
+    config = tiers(work)
+    engine = Engine(model, config, prefix_caching=False, tensor_parallel=2)
+    result["first"] = engine.generate(prompts[:1])
+    result["stored"] = engine.generate(prompts)
+    engine.close()  # the connectors' shutdown waits for the workers' saves
+    result["layouts"] = _layouts_in(work / "lmdb")
+    engine = Engine(model, config, prefix_caching=False, tensor_parallel=2)
+    result["restart"] = engine.generate(prompts)
+    engine.close()
+    from kvtiers.cli import main as kvtiers_cli
+
+    purged = result["layouts"][-1]["fingerprint"]
+    result["purge_status"] = kvtiers_cli(["purge", str(work / "lmdb"), "--fingerprint", purged])
+    engine = Engine(model, config, prefix_caching=False, tensor_parallel=2)
+    result["one_rank_purged"] = engine.generate(prompts[:1])
+    result["healed"] = engine.generate(prompts)  # the recompute stored the shard again
+    engine.close()
+    return result
+
+
+def scenario_pp2(model: str, work: Path) -> dict[str, Any]:
+    _bind_ranks(2)
+    prompts = make_prompts(seed=3)
+    result: dict[str, Any] = {}
+    engine = Engine(model, None, prefix_caching=False, pipeline_parallel=2)
+    result["baseline"] = engine.generate(prompts)
+    engine.close()
+    config = tiers(work)
+    engine = Engine(model, config, prefix_caching=False, pipeline_parallel=2)
+    result["first"] = engine.generate(prompts[:1])
+    result["stored"] = engine.generate(prompts)
+    engine.close()
+    result["layouts"] = _layouts_in(work / "lmdb")
+    engine = Engine(model, config, prefix_caching=False, pipeline_parallel=2)
+    result["restart"] = engine.generate(prompts)
+    engine.close()
+    return result
 
 
 class EventSubscriber:
@@ -374,13 +506,16 @@ def _vllm_modules_after_importing_kvtiers() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["inprocess", "shared", "multiprocess", "events"])
+    parser.add_argument(
+        "scenario",
+        choices=["inprocess", "shared", "multiprocess", "events", "tp2", "pp2", "mla", "mla-tp2"],
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--work", required=True, type=Path)
     parser.add_argument("--role", choices=["writer", "reader"], default="reader")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if args.scenario != "multiprocess":
+    if args.scenario not in ("multiprocess", "tp2", "pp2", "mla-tp2"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -392,6 +527,14 @@ def main() -> None:
         result = scenario_shared(args.model, args.work, args.role)
     elif args.scenario == "events":
         result = scenario_events(args.model, args.work)
+    elif args.scenario == "tp2":
+        result = scenario_tp2(args.model, args.work)
+    elif args.scenario == "pp2":
+        result = scenario_pp2(args.model, args.work)
+    elif args.scenario == "mla":
+        result = scenario_mla(args.model, args.work)
+    elif args.scenario == "mla-tp2":
+        result = scenario_mla_tp2(args.model, args.work)
     else:
         result = scenario_multiprocess(args.model, args.work)
     result["seconds"] = time.perf_counter() - started
