@@ -14,37 +14,32 @@ from typing import Any, Self
 import torch
 
 from kvtiers._activity import Activity, tracked
+from kvtiers._cascade import build_slots
 from kvtiers._endpoints import (
-    ChunkSink,
-    ChunkSource,
     PagedSink,
     PagedSource,
     TensorSink,
     TensorSource,
 )
-from kvtiers._movement import Mover, Slot
+from kvtiers._keyed import KeyLevelAPI, Salt
+from kvtiers._movement import Mover
 from kvtiers._salts import SaltWitness
 from kvtiers._tally import CallTally
-from kvtiers._tensors import as_tokens, check_chunks, check_kv, check_out, torch_dtype
+from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
-from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError, TokenError
+from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
-from kvtiers.core.keys import KEY_BYTES, ChunkHasher, ChunkKey
+from kvtiers.core.keys import ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
-from kvtiers.eviction import available_policies, make_policy
 from kvtiers.gpu.copy_engine import CopyEngine
 from kvtiers.gpu.paged import PagedKV
-from kvtiers.gpu.pinned import pinned_allocator
 from kvtiers.metrics import MetricsServer
 from kvtiers.tiers.blocks import BlockTier
-from kvtiers.tiers.dram import MemoryTier
 from kvtiers.tiers.registry import TierRegistry
 
 __all__ = ["CacheState", "TieredCache"]
-
-Salt = str | bytes | None
 
 
 class CacheState(enum.Enum):
@@ -55,7 +50,7 @@ class CacheState(enum.Enum):
     CLOSED = 3  # queues drained, tiers closed; cannot be reopened
 
 
-class TieredCache:
+class TieredCache(KeyLevelAPI):
     """Cache KV chunks across a cascade of tiers and serve the longest cached prefix.
 
     Use it as an async context manager::
@@ -65,7 +60,9 @@ class TieredCache:
             kv = await cache.load(tokens[:n], salt=tenant)
             await cache.store(tokens, full_kv, salt=tenant)
 
-    All calls must come from the event loop that opened the cache.
+    All calls must come from the event loop that opened the cache. Engines that hash their
+    own pages use the key-level calls (`chunk_keys`, `lookup_keys`, `contains_keys`,
+    `get_chunks`, `put_chunks`), through the same tiers.
 
     Args:
         config: the validated config.
@@ -89,7 +86,7 @@ class TieredCache:
         self._hasher = ChunkHasher(layout.fingerprint, layout.chunk_size)
         self._salts = SaltWitness(layout.chunk_size)
         self._index = PrefixIndex(len(config.tiers))
-        self._slots = _build_slots(self.config, layout, registry or TierRegistry())
+        self._slots = build_slots(self.config, layout, registry or TierRegistry())
         self._events = EventQueue(config.events) if config.events > 0 else None
         self._mover = Mover(
             layout,
@@ -401,115 +398,6 @@ class TieredCache:
         keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
         return await self._mover.prefetch(keys) * self.layout.chunk_size
 
-    # -- the key-level API, for engines that hash their own pages -----------------------
-
-    def chunk_keys(self, hashes: Any, *, salt: Salt = None) -> list[ChunkKey]:
-        """Return the chunk keys of an engine's own chained page hashes, in order.
-
-        Each hash is taken under the layout fingerprint and `salt`, so another model, shard
-        or tenant never shares a key. One engine page is one chunk: the engine's page size
-        must equal the layout's `chunk_size`.
-
-        Raises:
-            TokenError: `hashes` is not a sequence, or a hash is not a non-empty `str` or
-                `bytes`.
-        """
-        if isinstance(hashes, str | bytes | bytearray) or not hasattr(hashes, "__iter__"):
-            raise TokenError(
-                f"hashes: expected a sequence of str or bytes, got {type(hashes).__name__}"
-            )
-        return self._hasher.keys_of_hashes(list(hashes), salt)
-
-    @tracked
-    async def lookup_keys(self, keys: Any) -> int:
-        """Return how many leading `keys` (a chain, prefix first) some tier holds.
-
-        The key-level form of `lookup`, with the same semantics and stats.
-
-        Raises:
-            InvalidInputError: a key is not 16 bytes.
-        """
-        start = time.perf_counter()
-        keys = _check_keys(keys)
-        num_chunks = await self._mover.lookup(keys)
-        size = self.layout.chunk_size
-        self._tally.lookup(len(keys) * size, num_chunks * size, time.perf_counter() - start)
-        return num_chunks
-
-    @tracked
-    async def contains_keys(self, keys: Any) -> list[bool]:
-        """Return, for each key on its own, whether some tier holds its chunk.
-
-        Unlike `lookup_keys`, the keys need not be a chain: a gap does not end the answer.
-        For engines that keep per-page side data (the state of a hybrid model's recurrent
-        layers at some page boundaries only). No stats are counted.
-
-        Raises:
-            InvalidInputError: a key is not 16 bytes.
-        """
-        return await self._mover.contains(_check_keys(keys))
-
-    @tracked
-    async def get_chunks(
-        self, keys: Any, dsts: Any, *, parent: ChunkKey | None = None
-    ) -> list[bool]:
-        """Fill `dsts[i]` with the chunk of `keys[i]` wherever some tier holds it.
-
-        The keys need not be a prefix; each is served from the highest tier holding it and
-        lower-tier hits are promoted, as in `load`. Entries that fail their checksum are
-        misses. A destination is left untouched where its result is `False`.
-
-        Args:
-            keys: chunk keys (`chunk_keys` or `keys`).
-            dsts: one chunk per key: a tensor of the layout's dtype and
-                `kv_shape(chunk_size)` (a permuted view of an engine's host pool is fine), or
-                a uint8 NumPy array of `chunk_bytes` bytes in payload order; host memory is
-                filled by the tiers directly.
-            parent: the key of the chunk before `keys[0]` in its chain, if any.
-
-        Returns:
-            Per key, whether its chunk was delivered.
-
-        Raises:
-            InvalidInputError: a key is not 16 bytes.
-            LayoutMismatch: a destination has the wrong dtype or shape, or the counts differ.
-        """
-        start = time.perf_counter()
-        keys = _check_keys(keys)
-        _check_parent(parent)
-        tensors = check_chunks(self.layout, dsts, len(keys), "dsts", writable=True)
-        found = await self._mover.gather(keys, ChunkSink(self.layout, tensors))
-        if parent is not None and keys:
-            self._index.attach(keys[0], parent)
-        self._record_load(sum(found), start)
-        return found
-
-    @tracked
-    async def put_chunks(
-        self, keys: Any, srcs: Any, *, parent: ChunkKey | None = None
-    ) -> list[bool]:
-        """Cache the chunk `srcs[i]` under `keys[i]`, as `store` does for token chunks.
-
-        `keys` is a piece of a chain in prefix order; `parent`, the key of the chunk
-        before `keys[0]`, links the piece to its prefix so eviction stays leaf-first.
-
-        Returns:
-            Per key, whether a tier holds it now.
-
-        Raises:
-            InvalidInputError: a key is not 16 bytes.
-            LayoutMismatch: a source has the wrong dtype or shape, or the counts differ.
-        """
-        start = time.perf_counter()
-        keys = _check_keys(keys)
-        _check_parent(parent)
-        tensors = check_chunks(self.layout, srcs, len(keys), "srcs")
-        new_chunks = await self._mover.store(keys, ChunkSource(self.layout, tensors)) if keys else 0
-        if parent is not None and keys:
-            self._index.attach(keys[0], parent)
-        self._record_store(new_chunks, start)
-        return self._mover.held(keys)
-
     @tracked
     async def clear(self) -> int:
         """Remove every chunk this cache knows of from every tier.
@@ -570,16 +458,6 @@ class TieredCache:
         return sum(slot.tier.total_pins for slot in self._slots if isinstance(slot.tier, BlockTier))
 
 
-def _check_keys(keys: Any) -> list[ChunkKey]:
-    if isinstance(keys, bytes | str) or not hasattr(keys, "__iter__"):
-        raise InvalidInputError("keys: expected a sequence of 16-byte chunk keys")
-    out = list(keys)
-    for i, key in enumerate(out):
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise InvalidInputError(f"keys[{i}]: expected {KEY_BYTES} bytes, got {key!r:.40}")
-    return out
-
-
 def _check_args(config: Any, layout: Any, registry: Any) -> None:
     if not isinstance(config, CacheConfig):
         raise ConfigError(
@@ -596,39 +474,3 @@ def _check_paged(paged: Any, layout: KVLayout) -> None:
     if not isinstance(paged, PagedKV):
         raise InvalidInputError(f"paged: expected a PagedKV, got {type(paged).__name__}")
     paged.check_layout(layout)
-
-
-def _check_parent(parent: Any) -> None:
-    if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
-        raise InvalidInputError(f"parent: expected {KEY_BYTES} bytes or None, got {parent!r:.40}")
-
-
-def _build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) -> list[Slot]:
-    slots: list[Slot] = []
-    allocate = None
-    for tc in config.tiers:
-        cls = registry.resolve(tc.kind, where=tc.where)
-        resources: dict[str, Any] = {}
-        if issubclass(cls, MemoryTier) and tc.kind == "dram":
-            if allocate is None:
-                allocate = pinned_allocator()
-            resources["allocate"] = allocate
-        tier = cls.from_config(tc, layout, **resources)
-        policy = None
-        if not cls.manages_eviction:
-            if tc.eviction not in available_policies():
-                raise ConfigError(
-                    f"{tc.where}.eviction: unknown policy {tc.eviction!r}; expected one of "
-                    f"{', '.join(available_policies())}"
-                )
-            capacity = getattr(tier, "num_chunks", None) or max(
-                1, tc.capacity_bytes // layout.chunk_bytes
-            )
-            policy = make_policy(tc.eviction, capacity)
-        if tc.index > 0 and tc.write_policy == "write_back" and slots[-1].policy is None:
-            raise ConfigError(
-                f"{tc.where}.write_policy: 'write_back' needs the tier above to be evicted by "
-                f"the cache, but {slots[-1].config.kind!r} evicts by itself; use 'write_through'"
-            )
-        slots.append(Slot(idx=tc.index, tier=tier, config=tc, policy=policy))
-    return slots
