@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from kvtiers.core.checks import is_int
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 
@@ -227,10 +228,10 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
         if name in names[:i]:
             raise ConfigError(f"tiers[{i}].name: {name!r} is used twice")
     depth = data.get("write_queue_chunks", 256)
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+    if not is_int(depth) or depth < 1:
         raise ConfigError(f"write_queue_chunks: expected an integer >= 1, got {depth!r}")
     events = data.get("events", 0)
-    if isinstance(events, bool) or not isinstance(events, int) or not 0 <= events < 2**31:
+    if not is_int(events) or not 0 <= events < 2**31:
         raise ConfigError(
             f"events: expected an integer in [0, 2**31) (the event queue's capacity; 0 is off), "
             f"got {events!r}"
@@ -249,7 +250,7 @@ def _parse_metrics(raw: object) -> MetricsConfig:
     if unknown:
         raise ConfigError(f"metrics.{unknown[0]}: unknown key; expected port, host")
     port = raw.get("port")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+    if not is_int(port) or not 0 <= port <= 65535:
         raise ConfigError(f"metrics.port: expected a TCP port 0-65535, got {port!r}")
     host = raw.get("host", "127.0.0.1")
     if not isinstance(host, str) or not host:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import msgpack
 import xxhash
 
+from kvtiers.core.checks import check_int
 from kvtiers.core.errors import ConfigError
 
 __all__ = ["DTYPE_SIZES", "PAYLOAD_ORDER", "KVLayout"]
@@ -63,8 +64,8 @@ class KVLayout:
         _check_str("layout.model", self.model, allow_empty=False)
         _check_str("layout.model_revision", self.model_revision, allow_empty=True)
         for name in ("num_layers", "num_kv_heads", "head_size", "chunk_size", "tp_size"):
-            _check_int(f"layout.{name}", getattr(self, name), minimum=1)
-        _check_int("layout.tp_rank", self.tp_rank, minimum=0)
+            check_int(f"layout.{name}", getattr(self, name), 1)
+        check_int("layout.tp_rank", self.tp_rank, 0)
         if self.tp_rank >= self.tp_size:
             raise ConfigError(
                 f"layout.tp_rank: {self.tp_rank} must be below tp_size {self.tp_size}"
@@ -146,16 +147,6 @@ class KVLayout:
             PAYLOAD_ORDER,
         )
         return xxhash.xxh3_128_digest(msgpack.packb(fields_, use_bin_type=True))
-
-
-_MAX_DIM = 2**31 - 1  # NOTE: every dimension fits 32 bits, as engines' own do
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    if not minimum <= value <= _MAX_DIM:
-        raise ConfigError(f"{name}: expected an integer in [{minimum}, {_MAX_DIM}], got {value}")
 
 
 def _check_str(name: str, value: object, *, allow_empty: bool) -> None:

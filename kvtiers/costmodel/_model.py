@@ -8,24 +8,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from kvtiers.core.checks import MAX_DIM, check_int, is_int
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import DTYPE_SIZES, KVLayout
 
-__all__ = ["GPUS", "MAX_DIM", "MAX_PARAMS", "MODELS", "GPUSpec", "ModelSpec", "load_model"]
+__all__ = ["GPUS", "MAX_PARAMS", "MODELS", "GPUSpec", "ModelSpec", "load_model"]
 
 
-#: The largest dimension (layers, heads, head sizes, context) a model may give: 32 bits,
-#: as a `KVLayout`'s.
-MAX_DIM = 2**31 - 1
 #: The largest parameter count a model may give: an exact float, so costs stay finite.
 MAX_PARAMS = 2**53
-
-
-def _check_int(name: str, value: object, minimum: int, maximum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ConfigError(
-            f"{name}: expected an integer in [{minimum}, {maximum}], got {value!r:.40}"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +57,12 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ConfigError(f"model.name: expected a string, got {self.name!r:.40}")
-        _check_int("model.num_params", self.num_params, 1, MAX_PARAMS)
-        _check_int("model.total_params", self.total_params, 0, MAX_PARAMS)
+        check_int("model.num_params", self.num_params, 1, MAX_PARAMS)
+        check_int("model.total_params", self.total_params, 0, MAX_PARAMS)
         for name in ("num_layers", "num_heads", "head_size", "num_kv_heads", "kv_head_size"):
-            _check_int(f"model.{name}", getattr(self, name), 1, MAX_DIM)
-        _check_int("model.v_head_size", self.v_head_size, 0, MAX_DIM)  # 0: head_size
-        _check_int("model.max_context", self.max_context, 1, MAX_DIM)
+            check_int(f"model.{name}", getattr(self, name), 1, MAX_DIM)
+        check_int("model.v_head_size", self.v_head_size, 0, MAX_DIM)  # 0: head_size
+        check_int("model.max_context", self.max_context, 1, MAX_DIM)
         if self.kind not in ("mha", "mla"):
             raise ConfigError(f"model.kind: {self.kind!r:.40} is not 'mha' or 'mla'")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
@@ -238,7 +229,7 @@ def _hf_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     value = cfg[key]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
+    if not is_int(value) or not 1 <= value <= MAX_DIM:
         raise ConfigError(
             f"model: config.json {key}: expected an integer in [1, {MAX_DIM}], got {value!r:.40}"
         )

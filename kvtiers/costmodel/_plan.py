@@ -6,10 +6,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtiers.core.checks import MAX_DIM, is_int
 from kvtiers.core.config import format_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.costmodel._links import TierLink
-from kvtiers.costmodel._model import GPUS, MAX_DIM, ModelSpec
+from kvtiers.costmodel._model import GPUS, ModelSpec
 
 __all__ = [
     "DEFAULT_MFU",
@@ -97,7 +98,7 @@ def _measured_rate(model: ModelSpec, tokens: int, seconds: float) -> float:
             that is not finite.
     """
     given = f"{tokens!r:.40}:{seconds!r:.40}"
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_DIM:
+    if not is_int(tokens) or not 1 <= tokens <= MAX_DIM:
         raise ConfigError(f"measured: TOKENS must be an integer in [1, {MAX_DIM}], got {given}")
     if not math.isfinite(seconds) or not seconds > 0:
         raise ConfigError(f"measured: SECONDS must be a finite number > 0, got {given}")

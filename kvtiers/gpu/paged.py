@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtiers.core.checks import is_int
 from kvtiers.core.errors import InvalidInputError, LayoutMismatch
 from kvtiers.core.layout import KVLayout
 
@@ -95,7 +96,7 @@ class PagedKV:
         if self.kind not in _KINDS:
             raise InvalidInputError(f"paged KV: kind {self.kind!r} is not one of {_KINDS}")
         size = self.block_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not is_int(size) or size < 1:
             raise InvalidInputError(f"paged KV: block_size must be an integer >= 1, got {size!r}")
         layers = tuple(self.layers)
         if not layers:

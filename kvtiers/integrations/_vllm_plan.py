@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvtiers.core.checks import is_int
 from kvtiers.core.errors import ConfigError
 
 __all__ = [
@@ -110,7 +111,7 @@ class ConnectorSettings:
                 )
         for name in ("max_pending_saves", "event_chunks"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"{_WHERE}.{name}: expected a positive integer")
         if self.socket_dir is not None and not isinstance(self.socket_dir, str):
             raise ConfigError(f"{_WHERE}.socket_dir: expected a folder path")

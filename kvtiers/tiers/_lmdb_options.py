@@ -8,6 +8,7 @@ from typing import Any
 
 import lmdb
 
+from kvtiers.core.checks import is_int
 from kvtiers.core.config import TierConfig, parse_size
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers import _lmdb_format as fmt
@@ -104,7 +105,7 @@ class LMDBOptions:
 
 def _int_option(raw: dict[str, Any], name: str, default: int, where: str) -> int:
     value = raw.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {value!r}")
     return value
 

@@ -8,6 +8,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from kvtiers.core.checks import is_int
 from kvtiers.core.config import TierConfig, parse_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.tiers._integrity import OPTION_NAMES as INTEGRITY_OPTIONS
@@ -173,7 +174,7 @@ def text(raw: dict[str, Any], name: str, default: str, where: str) -> str:
 def integer(raw: dict[str, Any], name: str, default: int, minimum: int, where: str) -> int:
     """Return the integer option `name`, at least `minimum`."""
     value = raw.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ConfigError(f"{where}.{name}: expected an integer >= {minimum}, got {value!r:.40}")
     return value
 

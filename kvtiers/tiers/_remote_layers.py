@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtiers.core.checks import is_int
 from kvtiers.core.errors import InvalidInputError
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _chunk_format as fmt
@@ -45,7 +46,7 @@ class LayerPlan:
             InvalidInputError: `layers` is empty, or holds repeated or out-of-range indices.
         """
         num = layout.num_layers
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num for i in layers):
+        if any(not is_int(i) or not 0 <= i < num for i in layers):
             raise InvalidInputError(f"layers: expected indices in [0, {num}), got {layers!r}")
         wanted = sorted(layers)
         if not wanted or len(set(wanted)) != len(wanted):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from kvtiers.core.checks import is_int
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.tiers._files import check_path
@@ -108,7 +109,7 @@ class RemoteOptions:
 
 def _int(raw: dict[str, Any], name: str, default: int, minimum: int, where: str) -> int:
     value = raw.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ConfigError(f"{where}.{name}: expected an integer >= {minimum}, got {value!r}")
     return value
 
