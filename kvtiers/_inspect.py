@@ -2,7 +2,8 @@
 
 Nothing here opens a tier: opening runs scans that evict and expire, and inspecting must
 change nothing. Values are grouped by the layout fingerprint their header names, so a store
-shared by several models (or left by an old one) is read without any config.
+shared by several models (or left by an old one) is read without any config; each group is
+named by the layout record its writers left (see `tiers/_layout_record`), where there is one.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers import _layout_record as layout_record
+
+if TYPE_CHECKING:
+    from kvtiers.tiers._remote_admin import Namespace as PoolNamespace
+    from kvtiers.tiers._remote_io import ObjectStore
 
 __all__ = ["BadEntry", "Inspection", "Namespace", "format_text", "inspect", "to_json"]
 
@@ -36,6 +42,8 @@ class Namespace:
     entries: int = 0
     bytes: int = 0
     """Bytes of stored values, headers included."""
+    layout: dict[str, Any] | None = None
+    """The layout's fields (`KVLayout.to_dict`), from its record; `None` without one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +144,36 @@ def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
                     group = groups.setdefault(fingerprint, Namespace(fingerprint))
                     group.entries += 1
                     group.bytes += len(raw)
+        for fingerprint, fields in _lmdb_layouts(env).items():
+            if fingerprint in groups:
+                groups[fingerprint].layout = fields
     except lmdb.Error as exc:
         raise ConfigError(f"{path}: cannot read the LMDB environment: {exc}") from exc
     finally:
         env.close()
     result.namespaces = sorted(groups.values(), key=lambda g: -g.bytes)
     return result
+
+
+def _lmdb_layouts(env: Any) -> dict[str, dict[str, Any]]:
+    """Return the layout records of an environment by fingerprint (hex)."""
+    import lmdb
+
+    try:
+        meta = env.open_db(b"meta", create=False)
+    except lmdb.NotFoundError:  # an environment no kvtiers tier opened
+        return {}
+    found: dict[str, dict[str, Any]] = {}
+    prefix = layout_record.LMDB_PREFIX
+    with env.begin(db=meta) as txn, txn.cursor() as cursor:
+        if cursor.set_range(prefix):
+            for key, raw in cursor:
+                if not key.startswith(prefix):
+                    break
+                fields = layout_record.decode(raw)
+                if fields is not None:
+                    found[key[len(prefix) :].hex()] = fields
+    return found
 
 
 async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any]) -> Inspection:
@@ -152,33 +184,40 @@ async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any
         "remote", 1, name="inspect", options={"url": url, "storage_options": storage_options}
     )
     result = Inspection("remote", display_url(url), verified=verify)
-    pool = await list_pool(config, None)
-    result.namespaces = [
-        Namespace(
-            ns.fingerprint if is_fingerprint(ns.fingerprint) else _UNREADABLE,
-            len(ns.listing.objects),
-            ns.listing.used_bytes,
-        )
-        for ns in pool
-        if ns.listing.objects
-    ]
-    if not verify:
-        return result
-    objects = [obj for ns in pool for obj in ns.listing.objects.values()]
+    pool = [ns for ns in await list_pool(config, None) if ns.listing.objects]
     async with open_store(config) as store:
-        with _progress(len(objects), verify, "verify") as bar:
-            for obj in objects:
-                raw = await store.cat(obj.path)
-                result.checked += 1
-                bar.update()
-                if raw is None:  # deleted since the listing (evicted by a cache)
-                    continue
-                fingerprint, problem = _verdict(raw, obj.key)
-                if problem is not None:
-                    result.bad.append(
-                        BadEntry(obj.key.hex(), fingerprint, problem, obj.path, len(raw))
-                    )
+        for ns in pool:
+            named = is_fingerprint(ns.fingerprint)
+            record = f"{store.root}/{ns.fingerprint}/{layout_record.REMOTE_NAME}"
+            fields = None
+            if named and record in ns.listing.others:
+                fields = layout_record.decode(await store.cat(record))
+            result.namespaces.append(
+                Namespace(
+                    ns.fingerprint if named else _UNREADABLE,
+                    len(ns.listing.objects),
+                    ns.listing.used_bytes,
+                    fields,
+                )
+            )
+        if verify:
+            await _verify_remote(store, pool, result)
     return result
+
+
+async def _verify_remote(store: ObjectStore, pool: list[PoolNamespace], result: Inspection) -> None:
+    """Read and verify every object of `pool`, noting the bad ones in `result`."""
+    objects = [obj for ns in pool for obj in ns.listing.objects.values()]
+    with _progress(len(objects), True, "verify") as bar:
+        for obj in objects:
+            raw = await store.cat(obj.path)
+            result.checked += 1
+            bar.update()
+            if raw is None:  # deleted since the listing (evicted by a cache)
+                continue
+            fingerprint, problem = _verdict(raw, obj.key)
+            if problem is not None:
+                result.bad.append(BadEntry(obj.key.hex(), fingerprint, problem, obj.path, len(raw)))
 
 
 def to_json(result: Inspection) -> str:
@@ -187,13 +226,24 @@ def to_json(result: Inspection) -> str:
         "kind": result.kind,
         "location": result.location,
         "namespaces": [
-            {"fingerprint": g.fingerprint, "entries": g.entries, "bytes": g.bytes}
+            {
+                "fingerprint": g.fingerprint,
+                "entries": g.entries,
+                "bytes": g.bytes,
+                "layout": g.layout,
+            }
             for g in result.namespaces
         ],
         "verified": result.verified,
         "checked": result.checked,
         "bad": [
-            {"key": b.key, "fingerprint": b.fingerprint, "problem": b.problem, "path": b.path}
+            {
+                "key": b.key,
+                "fingerprint": b.fingerprint,
+                "problem": b.problem,
+                "path": b.path,
+                "num_bytes": b.num_bytes,
+            }
             for b in result.bad
         ],
     }
@@ -206,8 +256,24 @@ def format_text(result: Inspection) -> list[str]:
     if not result.namespaces:
         lines.append("  empty")
     for g in result.namespaces:
-        lines.append(f"  {g.fingerprint}  {g.entries:,} entries, {format_size(g.bytes)}")
+        line = f"  {g.fingerprint}  {g.entries:,} entries, {format_size(g.bytes)}"
+        lines.append(line if g.layout is None else f"{line}  {describe_layout(g.layout)}")
     if result.verified:
         lines.append(f"verified {result.checked:,} entries: {len(result.bad):,} bad")
-        lines += [f"  {b.problem:8} {b.key}  (layout {b.fingerprint})" for b in result.bad]
+        lines += [
+            f"  {b.problem:8} {b.key}  (layout {b.fingerprint}, {format_size(b.num_bytes)})"
+            for b in result.bad
+        ]
     return lines
+
+
+def describe_layout(fields: dict[str, Any]) -> str:
+    """Return a layout record's fields as one short phrase for a terminal."""
+    get = fields.get
+    revision = f"@{get('model_revision')}" if get("model_revision") else ""
+    heads = "latent" if get("kind") == "mla" else f"{get('num_kv_heads')} kv heads x"
+    return (
+        f"{get('model')}{revision}, tp {get('tp_rank')}/{get('tp_size')}, "
+        f"{get('num_layers')} layers, {heads} {get('head_size')}, {get('dtype')}, "
+        f"chunk {get('chunk_size')}"
+    )

@@ -6,6 +6,7 @@ Tests are sync: the command runs its own event loop, as on the command line.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def test_lmdb_counts_and_verify_finds_corrupt_entry(tmp_path, layout, capsys):
     [ns] = doc["namespaces"]
     assert ns["fingerprint"] == layout.fingerprint.hex() and ns["entries"] == 4
     assert ns["bytes"] > 4 * layout.chunk_bytes
+    assert ns["layout"] == layout.to_dict()  # the record the tier left at open
 
     rewrite_value(path, keys[1], flip_payload_byte)
     code, doc = run_json(capsys, str(path), "--verify")
@@ -50,6 +52,7 @@ def test_lmdb_counts_and_verify_finds_corrupt_entry(tmp_path, layout, capsys):
             "fingerprint": layout.fingerprint.hex(),
             "problem": "corrupt",
             "path": "",
+            "num_bytes": ns["bytes"] // 4,
         }
     ]
     # text output names the bad key
@@ -69,6 +72,7 @@ def test_remote_verify_finds_corrupt_object(tmp_path, layout, capsys):
             "fingerprint": layout.fingerprint.hex(),
             "entries": 4,
             "bytes": doc["namespaces"][0]["bytes"],
+            "layout": layout.to_dict(),
         }
     ]
     [victim] = [p for p in Path(tmp_path, "pool").rglob(keys[2].hex())]
@@ -78,6 +82,45 @@ def test_remote_verify_finds_corrupt_object(tmp_path, layout, capsys):
     code, doc = run_json(capsys, url, "--verify")
     assert code == 1 and doc["checked"] == 4
     assert [(b["key"], b["problem"]) for b in doc["bad"]] == [(keys[2].hex(), "corrupt")]
+
+
+def test_each_namespace_is_named_by_its_layout_record(tmp_path, layout, capsys):
+    """Two TP ranks share an LMDB path and a pool: inspect tells their namespaces apart."""
+    url = f"file://{tmp_path}/pool"
+    ranks = [dataclasses.replace(layout, tp_rank=r, tp_size=2) for r in (0, 1)]
+    for rank in ranks:
+        cfg = make_config(
+            tmp_path, dram_chunks=8, lmdb_chunks=50, layout={"tp_rank": rank.tp_rank, "tp_size": 2}
+        )
+        cfg["tiers"].append({"kind": "remote", "url": url, "capacity": 2**20})
+        asyncio.run(fill(cfg, rank))
+    for where in (str(tmp_path / "lmdb"), url):
+        _, doc = run_json(capsys, where)
+        named = {ns["fingerprint"]: ns["layout"] for ns in doc["namespaces"]}
+        assert named == {r.fingerprint.hex(): r.to_dict() for r in ranks}
+        assert main(["inspect", where]) == 0
+        out = capsys.readouterr().out
+        assert f"{layout.model}, tp 1/2, {layout.num_layers} layers" in out
+
+
+def test_a_missing_or_foreign_layout_record_leaves_the_namespace_unnamed(tmp_path, layout, capsys):
+    import lmdb
+
+    url = f"file://{tmp_path}/pool"
+    cfg = make_config(tmp_path, dram_chunks=8, lmdb_chunks=50)
+    cfg["tiers"].append({"kind": "remote", "url": url, "capacity": 2**20})
+    asyncio.run(fill(cfg, layout))
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=4)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(b"layout:" + layout.fingerprint, b"\x93\xa4KVTL")  # truncated msgpack
+    env.close()
+    [record] = Path(tmp_path, "pool").rglob("_layout")
+    record.unlink()
+    for where in (str(tmp_path / "lmdb"), url):
+        code, doc = run_json(capsys, where)
+        assert code == 0 and [ns["layout"] for ns in doc["namespaces"]] == [None]
+        assert main(["inspect", where]) == 0
+        assert "entries" in capsys.readouterr().out
 
 
 def test_not_an_lmdb_path_exits_2(tmp_path, capsys):

@@ -93,6 +93,10 @@ class KVLayout:
             raise ConfigError(f"{where}.{missing[0]}: required key is missing")
         return cls(**data)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Return the layout as plain values, the inverse of `from_dict`."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     @property
     def num_kv(self) -> int:
         """Planes per layer: 2 (K and V) for `"mha"`, 1 for `"mla"`."""

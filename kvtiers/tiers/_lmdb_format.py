@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import lmdb
 
+from kvtiers.core.layout import KVLayout
+from kvtiers.tiers import _layout_record as layout_record
 from kvtiers.tiers._chunk_format import (
     FORMAT_VERSION,
     MAGIC,
@@ -121,6 +123,16 @@ def check_writemap(env: lmdb.Environment, dbs: Databases, writemap: bool) -> Non
         raise ModeMismatch(
             f"created with writemap = {was}; every process on a path must use the same"
         )
+
+
+def record_layout(env: lmdb.Environment, dbs: Databases, layout: KVLayout) -> None:
+    """Note `layout` in the environment (see `_layout_record`), unless it is noted already."""
+    key = layout_record.LMDB_PREFIX + layout.fingerprint
+    with env.begin(db=dbs.meta) as txn:
+        if txn.get(key) is not None:
+            return
+    with env.begin(write=True, db=dbs.meta) as txn:
+        txn.put(key, layout_record.encode(layout), overwrite=False)
 
 
 def entry_size(txn: lmdb.Transaction[memoryview], dbs: Databases, key: bytes) -> int | None:

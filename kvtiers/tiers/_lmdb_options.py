@@ -11,6 +11,7 @@ import lmdb
 from kvtiers.core.checks import is_int
 from kvtiers.core.config import TierConfig, parse_size
 from kvtiers.core.errors import ConfigError, TierIOError
+from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _lmdb_format as fmt
 from kvtiers.tiers._files import FILE_MODE, allocate_whole, check_path, make_private_dirs
 from kvtiers.tiers._integrity import OPTION_NAMES as _INTEGRITY_OPTIONS
@@ -110,8 +111,10 @@ def _int_option(raw: dict[str, Any], name: str, default: int, where: str) -> int
     return value
 
 
-def open_env(options: LMDBOptions, map_size: int, name: str) -> tuple[lmdb.Environment, Databases]:
-    """Open the environment at `options.path`, creating what is missing.
+def open_env(
+    options: LMDBOptions, map_size: int, name: str, layout: KVLayout
+) -> tuple[lmdb.Environment, Databases]:
+    """Open the environment at `options.path`, creating what is missing, and note `layout`.
 
     Blocks; the tier runs it in its thread pool.
 
@@ -137,6 +140,7 @@ def open_env(options: LMDBOptions, map_size: int, name: str) -> tuple[lmdb.Envir
                 raise
         dbs = fmt.open_databases(env)
         fmt.check_writemap(env, dbs, options.writemap)
+        fmt.record_layout(env, dbs, layout)
         return env, dbs
     except fmt.ModeMismatch as exc:
         if env is not None:

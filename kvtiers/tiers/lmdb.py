@@ -96,7 +96,9 @@ class LMDBTier(Tier):
         # docstring inherited
         pool = ThreadPoolExecutor(self.options.read_threads, f"kvtiers-lmdb-{self.name}")
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(pool, open_env, self.options, self.map_size, self.name)
+        fut = loop.run_in_executor(
+            pool, open_env, self.options, self.map_size, self.name, self.layout
+        )
         try:
             self._env, self._dbs = await asyncio.shield(fut)
         except BaseException:

@@ -39,6 +39,7 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierUsage
+from kvtiers.tiers import _layout_record as layout_record
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._pool_guard import check_keys
 from kvtiers.tiers._read_buffers import ReadBuffers
@@ -131,6 +132,18 @@ class RemoteTier(Tier):
         self._codec.open(self.name)
         # NOTE: no retries at open, so an unreachable store delays it by one timeout at most.
         await self._scan(retries=0)
+        await self._note_layout()
+
+    async def _note_layout(self) -> None:
+        """Write the namespace's layout record (see `_layout_record`) unless it is there."""
+        if not self._store.available:
+            return
+        path = f"{self.namespace}/{layout_record.REMOTE_NAME}"
+        try:
+            if await self._store.cat(path) is None:
+                await self._store.write(path, layout_record.encode(self.layout), lambda: None)
+        except (StoreUnavailable, NotImplementedError, OSError) as exc:  # a label: no harm
+            logger.info("kvtiers: remote tier %r: layout record not written: %s", self.name, exc)
 
     async def _close(self) -> None:
         # docstring inherited

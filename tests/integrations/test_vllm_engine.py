@@ -20,6 +20,9 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = HERE / "vllm_scenarios.py"
 PREFIX = 256  # four chunks of 64 tokens, shared by every prompt of a scenario
+TWO_CPUS = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two CPUs to bind to"
+)
 _MARK = "KVTIERS_RESULT "
 
 
@@ -129,24 +132,33 @@ def test_default_multiprocess_mode_reports_worker_saved_hits(
     assert tokens(run["all"]) == tokens(result["baseline"])[: len(run["all"])]
 
 
-@pytest.mark.skipif(
-    len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two CPUs to bind to"
-)
+def check_two_workers(run: dict[str, Any]) -> list[list[int]]:
+    """Check a `_two_workers` run of the scenarios; return the baseline's tokens."""
+    baseline = tokens(run["baseline"])
+    # Each worker stored its own shard, under its own layout, as many chunks as the other.
+    layouts = run["layouts"]
+    assert len(layouts) == 2 and layouts[0]["entries"] == layouts[1]["entries"] > 0
+    assert all(ns["layout"] is not None for ns in layouts)  # named for `kvtiers inspect`
+    # Engine A: the first prompt is computed; the others get the prefix from both workers.
+    assert run["first"][0]["cached"] == 0
+    assert all(o["cached"] >= PREFIX for o in run["stored"][1:])
+    assert tokens(run["stored"]) == baseline
+    # Engine B, fresh processes: both workers hit in LMDB.
+    assert all(o["cached"] >= PREFIX for o in run["restart"])
+    assert tokens(run["restart"]) == baseline
+    return baseline
+
+
+@TWO_CPUS
 def test_tensor_parallel_ranks_store_their_shards_and_answer_the_minimum(
     vllm_python, tiny_llama, tmp_path
 ):
     run = result_of(start(vllm_python, tiny_llama, tmp_path, "tp2"), timeout=900)
-    baseline = tokens(run["baseline"])
-    # Each rank stored its own shard, under its own layout, as many chunks as the other.
-    layouts = run["layouts"]
-    assert len(layouts) == 2 and layouts[0]["entries"] == layouts[1]["entries"] > 0
-    # Engine A: the first prompt is computed; the others get the prefix from both ranks' DRAM.
-    assert run["first"][0]["cached"] == 0
-    assert all(o["cached"] >= PREFIX for o in run["stored"][1:])
-    assert tokens(run["stored"]) == baseline
-    # Engine B, fresh processes: both ranks hit in LMDB.
-    assert all(o["cached"] >= PREFIX for o in run["restart"])
-    assert tokens(run["restart"]) == baseline
+    baseline = check_two_workers(run)
+    assert sorted((ns["layout"]["tp_rank"], ns["layout"]["tp_size"]) for ns in run["layouts"]) == [
+        (0, 2),
+        (1, 2),
+    ]
     # Engine C: one rank's chunks are gone, so the scheduler is told the minimum, nothing;
     # the recompute stores that rank's shard again, and the next prompts hit.
     assert run["purge_status"] == 0
@@ -156,22 +168,16 @@ def test_tensor_parallel_ranks_store_their_shards_and_answer_the_minimum(
     assert tokens(run["healed"]) == baseline
 
 
-@pytest.mark.skipif(
-    len(os.sched_getaffinity(0)) < 2, reason="two CPU workers need two CPUs to bind to"
-)
+@TWO_CPUS
 def test_pipeline_stages_store_their_layers_and_a_fresh_engine_hits_on_both(
     vllm_python, tiny_llama, tmp_path
 ):
     run = result_of(start(vllm_python, tiny_llama, tmp_path, "pp2"), timeout=900)
-    baseline = tokens(run["baseline"])
-    # Each stage stored its own layer (one of the model's two) under its own layout.
-    layouts = run["layouts"]
-    assert len(layouts) == 2 and layouts[0]["entries"] == layouts[1]["entries"] > 0
-    assert run["first"][0]["cached"] == 0
-    assert all(o["cached"] >= PREFIX for o in run["stored"][1:])
-    assert tokens(run["stored"]) == baseline
-    assert all(o["cached"] >= PREFIX for o in run["restart"])
-    assert tokens(run["restart"]) == baseline
+    check_two_workers(run)
+    # Each stage stores its own layer (one of the model's two), named after its stage.
+    stages = sorted(ns["layout"]["model"].rpartition("#")[2] for ns in run["layouts"])
+    assert stages == ["pp0/2", "pp1/2"]
+    assert all(ns["layout"]["num_layers"] == 1 for ns in run["layouts"])
 
 
 def test_mla_latents_are_stored_reloaded_and_attended_to(vllm_python, tiny_deepseek, tmp_path):
@@ -193,12 +199,13 @@ def test_mla_latents_are_stored_reloaded_and_attended_to(vllm_python, tiny_deeps
     for replaced, base in zip(tokens(run["replaced"]), baseline, strict=True):
         assert replaced != base
     if len(os.sched_getaffinity(0)) < 2:
-        return  # two CPU workers need two CPUs to bind to
+        return  # TWO_CPUS: the rest needs two workers
     # A TP 2 engine on the same LMDB path reuses what TP 1 stored: one layout for all ranks.
     tp2 = result_of(start(vllm_python, tiny_deepseek, tmp_path, "mla-tp2"))
     assert all(o["cached"] >= PREFIX for o in tp2["reused"])
     assert tokens(tp2["reused"]) == tokens(tp2["baseline"])
-    assert len(tp2["layouts"]) == 1
+    [shared] = tp2["layouts"]
+    assert (shared["layout"]["kind"], shared["layout"]["tp_size"]) == ("mla", 1)
 
 
 def test_importing_kvtiers_never_imports_vllm(inprocess):

@@ -339,27 +339,33 @@ def _layouts_in(path: Path) -> list[dict[str, Any]]:
     return namespaces
 
 
-def scenario_tp2(model: str, work: Path) -> dict[str, Any]:
+def _two_workers(model: str, work: Path, **parallel: int) -> dict[str, Any]:
+    """Run a baseline, engine A (stores) and a fresh engine B on two CPU workers."""
     _bind_ranks(2)
     prompts = make_prompts(seed=3)
-    result: dict[str, Any] = {}
-    engine = Engine(model, None, prefix_caching=False, tensor_parallel=2)
+    result: dict[str, Any] = {"prompts": prompts}
+    engine = Engine(model, None, prefix_caching=False, **parallel)
     result["baseline"] = engine.generate(prompts)
     engine.close()
-    config = tiers(work)
-    engine = Engine(model, config, prefix_caching=False, tensor_parallel=2)
+    engine = Engine(model, tiers(work), prefix_caching=False, **parallel)
     result["first"] = engine.generate(prompts[:1])
     result["stored"] = engine.generate(prompts)
     engine.close()  # the connectors' shutdown waits for the workers' saves
     result["layouts"] = _layouts_in(work / "lmdb")
-    engine = Engine(model, config, prefix_caching=False, tensor_parallel=2)
+    engine = Engine(model, tiers(work), prefix_caching=False, **parallel)
     result["restart"] = engine.generate(prompts)
     engine.close()
+    return result
+
+
+def scenario_tp2(model: str, work: Path) -> dict[str, Any]:
     from kvtiers.cli import main as kvtiers_cli
 
-    purged = result["layouts"][-1]["fingerprint"]
+    result = _two_workers(model, work, tensor_parallel=2)
+    prompts = result.pop("prompts")
+    purged = next(ns["fingerprint"] for ns in result["layouts"] if ns["layout"]["tp_rank"] == 1)
     result["purge_status"] = kvtiers_cli(["purge", str(work / "lmdb"), "--fingerprint", purged])
-    engine = Engine(model, config, prefix_caching=False, tensor_parallel=2)
+    engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2)
     result["one_rank_purged"] = engine.generate(prompts[:1])
     result["healed"] = engine.generate(prompts)  # the recompute stored the shard again
     engine.close()
@@ -367,21 +373,8 @@ def scenario_tp2(model: str, work: Path) -> dict[str, Any]:
 
 
 def scenario_pp2(model: str, work: Path) -> dict[str, Any]:
-    _bind_ranks(2)
-    prompts = make_prompts(seed=3)
-    result: dict[str, Any] = {}
-    engine = Engine(model, None, prefix_caching=False, pipeline_parallel=2)
-    result["baseline"] = engine.generate(prompts)
-    engine.close()
-    config = tiers(work)
-    engine = Engine(model, config, prefix_caching=False, pipeline_parallel=2)
-    result["first"] = engine.generate(prompts[:1])
-    result["stored"] = engine.generate(prompts)
-    engine.close()
-    result["layouts"] = _layouts_in(work / "lmdb")
-    engine = Engine(model, config, prefix_caching=False, pipeline_parallel=2)
-    result["restart"] = engine.generate(prompts)
-    engine.close()
+    result = _two_workers(model, work, pipeline_parallel=2)
+    del result["prompts"]
     return result
 
 
