@@ -3,7 +3,8 @@
 Usage: `python benchmarks/gpu_check.py [--quick] [--json OUT]` from the repository root.
 
 It prints the machine (GPU name, driver and CUDA versions), runs the CUDA-marked tests
-(`pytest -m gpu` over `tests/gpu` and the vLLM worker's pipelined loads), then
+(`pytest -m gpu` over `tests/gpu`, the vLLM worker's pipelined loads and vLLM's CUDA
+KV layouts), then
 `benchmarks.bench_gpu_copy`: store (D2H gather) and load (H2D scatter) bandwidth for a
 Llama-3-8B layout, 4 GiB moved, against one plain pinned `copy_` of the same bytes (target
 >= 0.85), and how much a store slows a matmul on another stream (target < 10%). It takes
@@ -20,7 +21,11 @@ import sys
 from pathlib import Path
 
 #: Where the CUDA-marked tests are.
-GPU_TESTS = ("tests/gpu", "tests/integrations/test_vllm_worker.py")
+GPU_TESTS = (
+    "tests/gpu",
+    "tests/integrations/test_vllm_worker.py",
+    "tests/integrations/test_vllm_kv.py",
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

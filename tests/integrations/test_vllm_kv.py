@@ -97,6 +97,35 @@ def test_mla_latent_blocks_round_trip_and_only_the_given_blocks_change(shape):
     assert torch.equal(blocks[1:5], before[1:5])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["flash", "flash_hnd", "mla"])
+def test_cuda_layers_round_trip_through_host_payloads(kind):
+    """On the device vLLM's CUDA backends use: gather to host, scatter back from host."""
+    shape = {"flash": (2, NB, BS, H, D), "flash_hnd": (2, NB, H, BS, D), "mla": (NB, 1, BS, 576)}
+    heads, size = (1, 576) if kind == "mla" else (H, D)
+    layer = torch.randn(shape[kind], device="cuda").to(torch.bfloat16)
+    paged = detect_layout(
+        layer,
+        block_size=BS,
+        num_kv_heads=heads,
+        head_size=size,
+        prefer_hnd=kind == "flash_hnd",
+        mla=kind == "mla",
+    )
+    assert paged.kind == kind
+    ids = torch.tensor([4, 1, 3], device="cuda")
+    planes = 1 if kind == "mla" else 2
+    out = torch.empty(planes, 3 * BS, *(() if kind == "mla" else (H,)), size, dtype=torch.bfloat16)
+    paged.gather(layer, ids, out)  # device to host
+    copy = torch.zeros_like(layer)
+    paged.scatter(copy, ids, out)  # host to device
+    view = (lambda t: t.view(NB, BS, size)) if kind == "mla" else (lambda t: t)
+    axis = 0 if kind == "mla" else 1  # the block axis
+    assert torch.equal(view(copy).index_select(axis, ids), view(layer).index_select(axis, ids))
+    untouched = torch.tensor(sorted(set(range(NB)) - set(ids.tolist())), device="cuda")
+    assert not view(copy).index_select(axis, untouched).any()
+
+
 def test_detect_layout_rejects_unknown_and_mismatched_mla_shapes():
     with pytest.raises(LayoutMismatch, match="no known layout"):
         detect_layout(torch.zeros(NB, H, BS, D), block_size=BS, num_kv_heads=H, head_size=D)
