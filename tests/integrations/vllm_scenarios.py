@@ -178,6 +178,18 @@ async def store_other_values(config: dict[str, Any], layout: Any, prompts: list[
     return stored
 
 
+def on_other_values(
+    model: str, work: Path, layout: Any, prompts: list[list[int]]
+) -> tuple[int, list[dict[str, Any]]]:
+    """Store random KV for `prompts` in a fresh LMDB path, then run them on it."""
+    negative = tiers(work, lmdb_name="lmdb-other")
+    stored = asyncio.run(store_other_values(negative, layout, prompts))
+    engine = Engine(model, negative, prefix_caching=False)
+    outputs = engine.generate(prompts)
+    engine.close()
+    return stored, outputs
+
+
 def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     prompts = make_prompts(seed=0)
     rng = random.Random(1)  # and one prompt of whole chunks: all but its last token load
@@ -230,11 +242,9 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     result["failing_stats"] = d.reported
     d.close()
 
-    negative = tiers(work, lmdb_name="lmdb-other")
-    result["other_values_stored"] = asyncio.run(store_other_values(negative, layout, prompts))
-    c = Engine(model, negative, prefix_caching=False)
-    result["engine_c"] = c.generate(prompts)
-    c.close()
+    result["other_values_stored"], result["engine_c"] = on_other_values(
+        model, work, layout, prompts
+    )
     return result
 
 
@@ -255,11 +265,9 @@ def scenario_mla(model: str, work: Path) -> dict[str, Any]:
     result["restart"] = b.generate(prompts)
     result["restart_tier_hits"] = tier_hits(b.connector)
     b.close()
-    negative = tiers(work, lmdb_name="lmdb-other")
-    result["other_values_stored"] = asyncio.run(store_other_values(negative, layout, prompts))
-    c = Engine(model, negative, prefix_caching=False)
-    result["replaced"] = c.generate(prompts)
-    c.close()
+    result["other_values_stored"], result["replaced"] = on_other_values(
+        model, work, layout, prompts
+    )
     return result
 
 
