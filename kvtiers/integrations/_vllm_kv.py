@@ -109,7 +109,8 @@ class PagedLayout:
         """
         nb = block_ids.numel()
         if self.kind == "mla":
-            blocks = src.reshape(nb, self.block_size, self.head_size).to(layer.device)
+            blocks = src.reshape(nb, self.block_size, self.head_size)
+            blocks = blocks.to(layer.device, non_blocking=True)
             self.blocks_view(layer).index_copy_(0, block_ids, blocks.contiguous())
             return
         payload = src.reshape(2, nb, self.block_size, self.num_kv_heads, self.head_size)
