@@ -70,6 +70,7 @@ def _run_remote_ls(args: argparse.Namespace) -> int:
 
 
 def _pool_lines(tc: TierConfig, namespaces: Sequence[Any], *, keys: bool) -> list[str]:
+    from kvtiers.tiers import _layout_record as layout_record
     from kvtiers.tiers._remote_admin import is_fingerprint
     from kvtiers.tiers._remote_options import display_url
 
@@ -80,6 +81,8 @@ def _pool_lines(tc: TierConfig, namespaces: Sequence[Any], *, keys: bool) -> lis
         objects, listing = ns.objects, ns.listing
         used = sum(o.size for o in objects)
         what = "this layout" if ns.current else "layout" if is_fingerprint(ns.fingerprint) else "?"
+        if ns.layout is not None and not ns.current:  # the config names the current one
+            what += f" ({layout_record.describe(ns.layout)})"
         line = f"  {ns.fingerprint}  {what}: {len(objects):,} objects, {format_size(used)}"
         if ns.current:
             line += f" of {format_size(tc.capacity_bytes)}"

@@ -185,22 +185,17 @@ async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any
     )
     result = Inspection("remote", display_url(url), verified=verify)
     pool = [ns for ns in await list_pool(config, None) if ns.listing.objects]
-    async with open_store(config) as store:
-        for ns in pool:
-            named = is_fingerprint(ns.fingerprint)
-            record = f"{store.root}/{ns.fingerprint}/{layout_record.REMOTE_NAME}"
-            fields = None
-            if named and record in ns.listing.others:
-                fields = layout_record.decode(await store.cat(record))
-            result.namespaces.append(
-                Namespace(
-                    ns.fingerprint if named else _UNREADABLE,
-                    len(ns.listing.objects),
-                    ns.listing.used_bytes,
-                    fields,
-                )
-            )
-        if verify:
+    result.namespaces = [
+        Namespace(
+            ns.fingerprint if is_fingerprint(ns.fingerprint) else _UNREADABLE,
+            len(ns.listing.objects),
+            ns.listing.used_bytes,
+            ns.layout,
+        )
+        for ns in pool
+    ]
+    if verify:
+        async with open_store(config) as store:
             await _verify_remote(store, pool, result)
     return result
 
@@ -257,7 +252,7 @@ def format_text(result: Inspection) -> list[str]:
         lines.append("  empty")
     for g in result.namespaces:
         line = f"  {g.fingerprint}  {g.entries:,} entries, {format_size(g.bytes)}"
-        lines.append(line if g.layout is None else f"{line}  {describe_layout(g.layout)}")
+        lines.append(line if g.layout is None else f"{line}  {layout_record.describe(g.layout)}")
     if result.verified:
         lines.append(f"verified {result.checked:,} entries: {len(result.bad):,} bad")
         lines += [
@@ -265,15 +260,3 @@ def format_text(result: Inspection) -> list[str]:
             for b in result.bad
         ]
     return lines
-
-
-def describe_layout(fields: dict[str, Any]) -> str:
-    """Return a layout record's fields as one short phrase for a terminal."""
-    get = fields.get
-    revision = f"@{get('model_revision')}" if get("model_revision") else ""
-    heads = "latent" if get("kind") == "mla" else f"{get('num_kv_heads')} kv heads x"
-    return (
-        f"{get('model')}{revision}, tp {get('tp_rank')}/{get('tp_size')}, "
-        f"{get('num_layers')} layers, {heads} {get('head_size')}, {get('dtype')}, "
-        f"chunk {get('chunk_size')}"
-    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -253,6 +254,22 @@ async def test_cli_remote_ls_and_purge(tmp_path, layout, capsys):
     fs = fsspec.filesystem("file")
     assert not [p for p in fs.find(f"{tmp_path}/pool") if fingerprint in p]
     assert "empty" in await asyncio.to_thread(cli, "remote", "ls", str(toml))
+
+
+def test_cli_remote_ls_names_other_layouts_by_their_record(tmp_path, layout, capsys):
+    url = file_url(tmp_path)
+    other = dataclasses.replace(layout, model="other/model", tp_rank=1, tp_size=2)
+    cfg = {"tiers": [{"kind": "remote", "url": url, "capacity": "1MiB"}]}
+
+    async def fill() -> None:
+        async with TieredCache.from_config(cfg, layout=other) as cache:
+            await cache.store(TOKENS, make_kv(other, 64))
+
+    asyncio.run(fill())
+    assert main(["remote", "ls", str(write_toml(tmp_path, url))]) == 0
+    out = capsys.readouterr().out
+    assert f"{other.fingerprint.hex()}  layout (other/model, tp 1/2, " in out
+    assert "other files" not in out  # the record is no foreign file
 
 
 def test_cli_remote_ls_lists_other_layouts(tmp_path, capsys):

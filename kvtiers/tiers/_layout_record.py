@@ -17,7 +17,7 @@ import msgpack
 
 from kvtiers.core.layout import KVLayout
 
-__all__ = ["LMDB_PREFIX", "REMOTE_NAME", "decode", "encode"]
+__all__ = ["LMDB_PREFIX", "REMOTE_NAME", "decode", "describe", "encode"]
 
 LMDB_PREFIX = b"layout:"
 """Keys of layout records in an lmdb environment's `meta` database (then 16 bytes)."""
@@ -47,3 +47,15 @@ def decode(raw: bytes | memoryview | None) -> dict[str, Any] | None:
     if not all(isinstance(k, str) for k in fields):
         return None
     return fields
+
+
+def describe(fields: dict[str, Any]) -> str:
+    """Return a record's layout as one short phrase for a terminal."""
+    get = fields.get
+    revision = f"@{get('model_revision')}" if get("model_revision") else ""
+    heads = "latent" if get("kind") == "mla" else f"{get('num_kv_heads')} kv heads x"
+    return (
+        f"{get('model')}{revision}, tp {get('tp_rank')}/{get('tp_size')}, "
+        f"{get('num_layers')} layers, {heads} {get('head_size')}, {get('dtype')}, "
+        f"chunk {get('chunk_size')}"
+    )

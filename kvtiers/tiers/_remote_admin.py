@@ -16,6 +16,7 @@ from typing import Any
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.layout import KVLayout
+from kvtiers.tiers import _layout_record as layout_record
 from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
 from kvtiers.tiers._remote_catalog import (
     AccessLog,
@@ -48,6 +49,8 @@ class Namespace:
     listing: Listing
     current: bool
     """Whether it belongs to the config's layout."""
+    layout: dict[str, Any] | None = None
+    """The fields of its layout record (`KVLayout.to_dict`); `None` without one."""
 
     @property
     def objects(self) -> list[StoredObject]:
@@ -62,7 +65,7 @@ class PurgeResult:
     num_objects: int
     num_bytes: int
     num_other_files: int
-    """Access logs, temporaries and foreign files (with `everything`)."""
+    """Access logs, temporaries, foreign files and the layout record (purging everything)."""
     num_kept: int
 
 
@@ -98,7 +101,9 @@ async def list_pool(config: TierConfig, layout: KVLayout | None) -> list[Namespa
             for name, files in sorted(groups.items(), key=lambda item: item[0] != current):
                 listing = classify(f"{store.root}/{name}", files)
                 await _merge_logs(store, listing)
-                namespaces.append(Namespace(name, listing, name == current))
+                record = listing.layout_record
+                fields = None if record is None else layout_record.decode(await store.cat(record))
+                namespaces.append(Namespace(name, listing, name == current, fields))
         except StoreUnavailable as exc:
             raise TierIOError(f"{config.name}: cannot list the pool: {exc}") from None
     return namespaces
@@ -141,6 +146,7 @@ async def purge_namespace(
             if older_than is None:
                 doomed = list(listing.objects.values())
                 others = [*listing.access_logs, *listing.temps, *listing.others]
+                others += [listing.layout_record] if listing.layout_record else []
             else:
                 doomed = [o for o in listing.objects.values() if o.last_access < now - older_than]
                 others = [p for p, t in listing.temps.items() if t < now - older_than]

@@ -5,7 +5,8 @@ A namespace is `<root>/<layout fingerprint hex>`. Below it:
 - `<key[:2] hex>/<key hex>`: one object per chunk (16-byte key, so 4 and 32 hex digits);
 - `<key[:2] hex>/.<key hex>.<random>.tmp`: a write in progress on a filesystem that
   renames (local); a scan deletes those left behind by a crash after an hour;
-- `_access/<writer id>`: one access log per process (see `AccessLog`).
+- `_access/<writer id>`: one access log per process (see `AccessLog`);
+- `_layout`: the layout's record, a label for `kvtiers inspect` (see `_layout_record`).
 
 Recency (the "last access" LRU and the TTL act on) is shared through the access logs: each
 process records the chunks it reads in memory and writes its own log object now and then
@@ -26,6 +27,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+from kvtiers.tiers import _layout_record as layout_record
 
 if TYPE_CHECKING:
     from kvtiers.tiers._remote_io import ObjectStore
@@ -94,6 +97,8 @@ class Listing:
     """Path -> modification time of each process's access log."""
     temps: dict[str, float] = field(default_factory=dict)
     """Path -> modification time of each write in progress (or left by a crash)."""
+    layout_record: str | None = None
+    """Path of the namespace's layout record (see `_layout_record`), if there is one."""
     others: list[str] = field(default_factory=list)
     """Paths that are none of the above (not ours; left alone)."""
 
@@ -123,6 +128,8 @@ def classify(namespace: str, found: Mapping[str, Mapping[str, Any]]) -> Listing:
             listing.objects[key] = StoredObject(key, path, size, mtime, mtime)
         elif _TEMP.fullmatch(rel):
             listing.temps[path] = mtime
+        elif rel == layout_record.REMOTE_NAME:
+            listing.layout_record = path
         else:
             listing.others.append(path)
     return listing
