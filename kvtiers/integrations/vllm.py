@@ -204,8 +204,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
         A pipeline stage holds only its own layers; its stage goes into the model name
         (`<model>#pp<stage>/<stages>`), so stages never share a key. MLA's latent cache is
-        the same on every TP rank, so all ranks share one layout (TP rank 0 of 1): a pool
-        stored at one TP size serves another.
+        the same on every TP rank, so the ranks share one layout (TP rank 0 of the TP
+        size). Not across TP sizes: the all-reduces sum in another order, so the latents
+        of deeper layers differ in their last bits.
         """
         config = self._vllm_config
         model = config.model_config
@@ -231,7 +232,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             dtype=str(first.dtype).removeprefix("torch."),
             chunk_size=self._chunk_size,
             tp_rank=_tp_rank() if sharded else 0,
-            tp_size=self._tp_size if sharded else 1,
+            tp_size=self._tp_size,
             kind="mla" if mla else "mha",
         )
         return paged, layout

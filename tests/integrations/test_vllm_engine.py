@@ -200,12 +200,15 @@ def test_mla_latents_are_stored_reloaded_and_attended_to(vllm_python, tiny_deeps
         assert replaced != base
     if len(os.sched_getaffinity(0)) < 2:
         return  # TWO_CPUS: the rest needs two workers
-    # A TP 2 engine on the same LMDB path reuses what TP 1 stored: one layout for all ranks.
+    # TP 2 engines on the same path: TP 1's latents are another layout (a miss); the two
+    # TP 2 ranks share one namespace, which a second TP 2 engine reuses.
     tp2 = result_of(start(vllm_python, tiny_deepseek, tmp_path, "mla-tp2"))
+    assert tp2["first"][0]["cached"] == 0
+    assert tokens(tp2["first"]) == tokens(tp2["baseline"])
     assert all(o["cached"] >= PREFIX for o in tp2["reused"])
     assert tokens(tp2["reused"]) == tokens(tp2["baseline"])
-    [shared] = tp2["layouts"]
-    assert (shared["layout"]["kind"], shared["layout"]["tp_size"]) == ("mla", 1)
+    shapes = sorted((ns["layout"]["tp_rank"], ns["layout"]["tp_size"]) for ns in tp2["layouts"])
+    assert shapes == [(0, 1), (0, 2)]
 
 
 def test_importing_kvtiers_never_imports_vllm(inprocess):

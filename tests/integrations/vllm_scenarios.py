@@ -24,8 +24,9 @@ Scenarios:
 - `mla`: a DeepSeek-V2 model (multi-head latent attention, vLLM's CPU MLA backend): engine A
   stores the latent KV; a fresh engine B loads it from LMDB; engine C runs on latents
   replaced (through the public API) by other values.
-- `mla-tp2`: after `mla`, on its LMDB path: a TP 2 engine reuses what the TP 1 engines
-  stored (MLA's latents are the same on every rank, so every rank uses one layout).
+- `mla-tp2`: after `mla`, on its LMDB path: a TP 2 engine misses what TP 1 stored (another
+  TP size, another layout) and stores its own, one namespace for both ranks (MLA's latents
+  are the same on every rank); a second TP 2 engine reuses it.
 - `events`: vLLM's KV events on (published over ZMQ, received here as a router would) and
   kvtiers' `events` on, with a DRAM tier of four chunks: a prompt set is stored, a second
   one evicts it. Also feeds two ranks' events through vLLM's output aggregator.
@@ -272,7 +273,7 @@ def scenario_mla(model: str, work: Path) -> dict[str, Any]:
 
 
 def scenario_mla_tp2(model: str, work: Path) -> dict[str, Any]:
-    """After `mla` (TP 1) stored its latents in LMDB: a TP 2 engine reuses them."""
+    """After `mla` (TP 1) stored its latents in LMDB: TP 2 engines on the same path."""
     _bind_ranks(2)
     prompts = make_prompts(seed=0)
     result: dict[str, Any] = {}
@@ -280,7 +281,10 @@ def scenario_mla_tp2(model: str, work: Path) -> dict[str, Any]:
     result["baseline"] = engine.generate(prompts)
     engine.close()
     engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2)
-    result["reused"] = engine.generate(prompts)
+    result["first"] = engine.generate(prompts)  # TP 1's latents are another layout
+    engine.close()
+    engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2)
+    result["reused"] = engine.generate(prompts)  # what the two TP 2 ranks stored, shared
     engine.close()
     result["layouts"] = _layouts_in(work / "lmdb")
     return result
