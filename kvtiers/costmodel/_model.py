@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtiers.core.checks import MAX_DIM, check_int, is_int
+from kvtiers.core.checks import MAX_DIM, check_int
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import DTYPE_SIZES, KVLayout
 
@@ -229,8 +229,4 @@ def _hf_int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     value = cfg[key]
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not is_int(value) or not 1 <= value <= MAX_DIM:
-        raise ConfigError(
-            f"model: config.json {key}: expected an integer in [1, {MAX_DIM}], got {value!r:.40}"
-        )
-    return value
+    return check_int(f"model: config.json {key}", value, 1)
