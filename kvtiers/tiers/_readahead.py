@@ -37,7 +37,8 @@ def ahead_of(paths: Sequence[str], i: int) -> Sequence[str]:
 def will_need(paths: Sequence[str]) -> None:
     """Ask the kernel to start reading `paths` into the page cache (blocking, quick).
 
-    A path that cannot be opened (gone, never written) is skipped: the read itself will say.
+    A path that cannot be opened (gone, never written) or hinted (not a regular file) is
+    skipped: the read itself will say.
     Nothing happens where the platform has no `posix_fadvise`.
     """
     advise = getattr(os, "posix_fadvise", None)
@@ -45,7 +46,9 @@ def will_need(paths: Sequence[str]) -> None:
         return
     for path in paths:
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # NOTE: O_NONBLOCK, so a named pipe in the way opens at once instead of waiting
+            # for a writer; it changes nothing for a regular file.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             continue
         try:

@@ -27,7 +27,13 @@ from fsspec.core import split_protocol, url_to_fs
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers._files import write_renamed
 from kvtiers.tiers._remote_breaker import StoreFull, StoreUnavailable
-from kvtiers.tiers._remote_fetch import range_refused, read_into, s3_head, s3_read_into
+from kvtiers.tiers._remote_fetch import (
+    range_refused,
+    read_into,
+    read_ranges,
+    s3_head,
+    s3_read_into,
+)
 from kvtiers.tiers._remote_options import Redactor, RemoteOptions, display_url
 from kvtiers.tiers._remote_requests import RequestRunner
 
@@ -233,8 +239,10 @@ class ObjectStore:
         paths = [path] * len(ranges)
         starts, ends = [r[0] for r in ranges], [r[1] for r in ranges]
         try:
-            parts: list[Any] = await self._request(
-                "cat_ranges", paths, starts, ends, on_error="return"
+            parts: list[Any] = await (
+                self._request(read_ranges, path, ranges)
+                if self.local
+                else self._request("cat_ranges", paths, starts, ends, on_error="return")
             )
         except FileNotFoundError:
             return None

@@ -201,6 +201,39 @@ async def _pipe(fs: Any, path: str, data: bytes) -> None:
         fs.pipe_file(path, data)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+@pytest.mark.parametrize("read", ["get", "get_layers"])
+async def test_a_named_pipe_where_an_object_belongs_is_a_deleted_miss_not_a_hang(
+    tmp_path: Path, read: str
+) -> None:
+    # Opening a named pipe blocks until a writer comes; a read must not wait for one.
+    ks, srcs = keys(3), payloads(3)
+    async with make_tier(f"file://{tmp_path}/pool", timeout=60.0) as tier:
+        await tier.put(ks, srcs)
+        path = object_url(tier, ks[1])
+        os.unlink(path)
+        os.mkfifo(path)
+        out = dsts(3)
+        call = tier.get(ks, out) if read == "get" else tier.get_layers(ks, [0, 1], out)
+        assert await asyncio.wait_for(call, 10) == [True, False, True]
+        assert (out[1] == 7).all() and np.array_equal(out[2], srcs[2])
+        assert tier.counters.corrupt == 1
+        assert not os.path.lexists(path)
+
+
+async def test_a_folder_where_an_object_belongs_is_a_miss(tmp_path: Path) -> None:
+    ks, srcs = keys(2), payloads(2)
+    async with make_tier(f"file://{tmp_path}/pool") as tier:
+        await tier.put(ks, srcs)
+        path = object_url(tier, ks[0])
+        os.unlink(path)
+        os.mkdir(path)
+        out = dsts(2)
+        assert await asyncio.wait_for(tier.get(ks, out), 10) == [False, True]
+        assert await asyncio.wait_for(tier.get_layers(ks, [1], out), 10) == [False, True]
+        assert (out[0] == 7).all() and np.array_equal(out[1], srcs[1])
+
+
 # -- layer-wise reads --------------------------------------------------------------------------
 
 
