@@ -4,7 +4,8 @@ A value is `u16 header length (little-endian) ‖ header ‖ payload`, where the
 msgpack array `[magic, format version, layout fingerprint, key, payload length, checksum]`
 and the checksum is the 8-byte big-endian xxh3_64 digest of the payload. The length prefix
 lets a reader split header and payload without msgpack's streaming API, and because every
-field but the payload length has a fixed size, all values of one layout have the same size.
+field but the payload length has a fixed size, all values of one layout have the same size. The
+header's writing and parsing live in `_chunk_header`.
 
 A writer may append a seventh field, the per-layer checksums: the 8-byte xxh3_64 digests of
 the payload's `num_layers` equal slices, back to back. The payload is layer-major, so one
@@ -24,23 +25,35 @@ without a key ignores a tag: integrity is the reader's choice.
 
 from __future__ import annotations
 
-import enum
-import functools
 import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
 
-import msgpack
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from kvtiers.core.stats import TierCounters
+from kvtiers.tiers._chunk_header import (
+    DIGEST_BYTES,
+    FORMAT_VERSION,
+    MAGIC,
+    Bytes,
+    Header,
+    Verdict,
+    header_bytes,
+    peek_header,
+)
+
+# NOTE: under the names they had here before the header moved out; tests/reliability
+# forges values with them.
+from kvtiers.tiers._chunk_header import build_header as _header
+from kvtiers.tiers._chunk_header import parse_header as _parse
 
 __all__ = [
     "FORMAT_VERSION",
+    "Bytes",
     "MAGIC",
     "Header",
     "Verdict",
@@ -57,43 +70,7 @@ __all__ = [
     "value_bytes",
 ]
 
-Bytes = bytes | bytearray | memoryview
-
-MAGIC = b"KVT1"
-"""First header field of every value this format writes."""
-FORMAT_VERSION = 1
-"""Bump when the header changes; entries of another version are then foreign (a miss)."""
-
-_PREFIX = struct.Struct("<H")
-_DIGEST = 8  # bytes of one xxh3_64 digest
-_BASE_FIELDS = 6  # without per-layer checksums
-_LAYER_FIELDS = 7  # with them
-_TAGGED_FIELDS = 8  # with an integrity tag (the seventh field may then be nil)
-_TAG = 32  # bytes of one HMAC-SHA256 tag
 _TAG_DOMAIN = b"kvtiers-chunk-v1"  # tags of other uses of one key never match
-
-
-class Verdict(enum.Enum):
-    """What a stored value turned out to be for the key it was read under."""
-
-    OK = 1  # ours and intact: the payload may be used
-    CORRUPT = 2  # unreadable header, wrong length or checksum
-    FOREIGN = 3  # intact, but of another layout, key or format version
-    FORGED = 4  # intact by its checksum, but without a valid integrity tag (key given)
-
-
-class Header(NamedTuple):
-    """A parsed header that matched the reader's layout and key."""
-
-    payload_len: int
-    checksum: bytes
-    """xxh3_64 digest of the whole payload."""
-    layer_checksums: bytes | None
-    """xxh3_64 digests of each layer's slice, back to back; `None` in a six-field header."""
-    payload_offset: int
-    """Where the payload starts in the stored value."""
-    tag: bytes | None = None
-    """HMAC-SHA256 tag of the value; `None` when the writer had no integrity key."""
 
 
 def _layer_digests(view: memoryview, num_layers: int) -> bytes:
@@ -101,23 +78,6 @@ def _layer_digests(view: memoryview, num_layers: int) -> bytes:
     return b"".join(
         xxhash.xxh3_64_digest(view[i * step : (i + 1) * step]) for i in range(num_layers)
     )
-
-
-def _header(
-    fingerprint: bytes,
-    key: bytes,
-    payload_len: int,
-    checksum: bytes,
-    layers: bytes | None,
-    tag: bytes | None = None,
-) -> bytes:
-    fields: list[object] = [MAGIC, FORMAT_VERSION, fingerprint, key, payload_len, checksum]
-    if layers is not None or tag is not None:
-        fields.append(layers)
-    if tag is not None:
-        fields.append(tag)
-    header: bytes = msgpack.packb(fields, use_bin_type=True)
-    return _PREFIX.pack(len(header)) + header
 
 
 def compute_tag(
@@ -188,136 +148,12 @@ def _head_of(
     return _header(fingerprint, key, view.nbytes, xxhash.xxh3_64_digest(view), layers, tag)
 
 
-def header_bytes(
-    fingerprint: bytes, payload_len: int, *, num_layers: int = 0, tagged: bool = False
-) -> int:
-    """Return the size of the header (length prefix included) of a stored value.
-
-    `tagged`: whether the value carries an integrity tag (written with an `auth_key`).
-    """
-    layers = bytes(_DIGEST * num_layers) if num_layers > 0 else None
-    tag = bytes(_TAG) if tagged else None
-    return len(_header(fingerprint, bytes(16), payload_len, bytes(_DIGEST), layers, tag))
-
-
 def value_bytes(
     fingerprint: bytes, payload_len: int, *, num_layers: int = 0, tagged: bool = False
 ) -> int:
     """Return the size of a stored value holding `payload_len` payload bytes."""
     head = header_bytes(fingerprint, payload_len, num_layers=num_layers, tagged=tagged)
     return head + payload_len
-
-
-class _Template(NamedTuple):
-    """The bytes every six-field header of one layout shares, around its key and checksum."""
-
-    head: bytes  # length prefix ... up to the key
-    middle: bytes  # between the key and the checksum
-    end: int  # header length, prefix included
-
-
-@functools.lru_cache(maxsize=64)
-def _template(fingerprint: bytes, payload_len: int) -> _Template:
-    blank = _header(fingerprint, bytes(16), payload_len, bytes(_DIGEST), None)
-    other = _header(fingerprint, b"\xff" * 16, payload_len, bytes(_DIGEST), None)
-    key_at = next(i for i, (a, b) in enumerate(zip(blank, other, strict=True)) if a != b)
-    checksum_at = len(blank) - _DIGEST  # the last field
-    return _Template(blank[:key_at], blank[key_at + 16 : checksum_at], len(blank))
-
-
-def _parse_fixed(
-    view: memoryview, fingerprint: bytes, key: bytes, payload_len: int
-) -> Header | None:
-    """Match a six-field header against its layout's template; `None` if it is not one.
-
-    The lmdb tier writes only these, and all of one layout differ only in key and
-    checksum, so a byte comparison replaces a msgpack decode on the read path.
-    """
-    tpl = _template(fingerprint, payload_len)
-    head = bytes(view[: tpl.end])
-    key_at = len(tpl.head)
-    checksum_at = key_at + 16 + len(tpl.middle)
-    if (
-        head.startswith(tpl.head)
-        and head[key_at : key_at + 16] == key
-        and head[key_at + 16 : checksum_at] == tpl.middle
-        and len(head) == tpl.end
-    ):
-        return Header(payload_len, head[checksum_at:], None, tpl.end)
-    return None
-
-
-def _parse(
-    view: memoryview, *, fingerprint: bytes, key: bytes, payload_len: int
-) -> tuple[Verdict, Header | None]:
-    """Parse the header at the start of `view`; the payload itself is not checked."""
-    if len(fingerprint) == 16 and len(key) == 16:  # every real layout and key
-        header = _parse_fixed(view, fingerprint, key, payload_len)
-        if header is not None:
-            return Verdict.OK, header
-    if view.nbytes < _PREFIX.size:
-        return Verdict.CORRUPT, None
-    (header_len,) = _PREFIX.unpack_from(view)
-    end = _PREFIX.size + header_len
-    if end > view.nbytes:
-        return Verdict.CORRUPT, None
-    try:
-        fields = msgpack.unpackb(view[_PREFIX.size : end], raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException):
-        return Verdict.CORRUPT, None
-    if (
-        not isinstance(fields, list)
-        or len(fields) not in (_BASE_FIELDS, _LAYER_FIELDS, _TAGGED_FIELDS)
-        or fields[0] != MAGIC
-    ):
-        return Verdict.CORRUPT, None
-    version, stored_fingerprint, stored_key, stored_len, checksum = fields[1:_BASE_FIELDS]
-    if version != FORMAT_VERSION or stored_fingerprint != fingerprint or stored_key != key:
-        return Verdict.FOREIGN, None
-    layers = fields[_BASE_FIELDS] if len(fields) > _BASE_FIELDS else None
-    tag = fields[_LAYER_FIELDS] if len(fields) == _TAGGED_FIELDS else None
-    if (
-        stored_len != payload_len
-        or not isinstance(checksum, bytes)
-        or len(checksum) != _DIGEST
-        or not _valid_layers(layers, payload_len)
-        or (len(fields) == _TAGGED_FIELDS and (not isinstance(tag, bytes) or len(tag) != _TAG))
-    ):
-        return Verdict.CORRUPT, None
-    return Verdict.OK, Header(stored_len, checksum, layers, end, tag)
-
-
-def _valid_layers(layers: object, payload_len: int) -> bool:
-    if layers is None:
-        return True
-    if not isinstance(layers, bytes) or not layers or len(layers) % _DIGEST:
-        return False
-    return payload_len % (len(layers) // _DIGEST) == 0
-
-
-def peek_header(raw: Bytes) -> tuple[bytes, int] | None:
-    """Return the layout fingerprint and payload size a stored value claims, unverified.
-
-    For tools that read values of any layout (`kvtiers inspect`); `None` when the header
-    cannot be parsed. Pass the result to `check_value` to verify the value.
-    """
-    view = memoryview(raw).cast("B")
-    if view.nbytes < _PREFIX.size:
-        return None
-    (header_len,) = _PREFIX.unpack_from(view)
-    end = _PREFIX.size + header_len
-    if end > view.nbytes:
-        return None
-    try:
-        fields = msgpack.unpackb(view[_PREFIX.size : end], raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException):
-        return None
-    if not isinstance(fields, list) or len(fields) < _BASE_FIELDS or fields[0] != MAGIC:
-        return None
-    fingerprint, payload_len = fields[2], fields[4]
-    if not isinstance(fingerprint, bytes) or not isinstance(payload_len, int):
-        return None
-    return fingerprint, payload_len
 
 
 def check_value(
@@ -384,7 +220,7 @@ def check_header(
     if (
         header.payload_offset != view.nbytes
         or layers is None
-        or len(layers) != _DIGEST * num_layers
+        or len(layers) != DIGEST_BYTES * num_layers
     ):
         return Verdict.CORRUPT, None
     return Verdict.OK, header
@@ -393,10 +229,10 @@ def check_header(
 def check_layer(header: Header, layer: int, data: Bytes) -> bool:
     """Return whether `data` is layer `layer` of the payload that `header` describes."""
     digests = header.layer_checksums
-    if digests is None or not 0 <= layer < len(digests) // _DIGEST:
+    if digests is None or not 0 <= layer < len(digests) // DIGEST_BYTES:
         return False
-    want = digests[layer * _DIGEST : (layer + 1) * _DIGEST]
-    num_layers = len(digests) // _DIGEST
+    want = digests[layer * DIGEST_BYTES : (layer + 1) * DIGEST_BYTES]
+    num_layers = len(digests) // DIGEST_BYTES
     return (
         memoryview(data).nbytes == header.payload_len // num_layers
         and xxhash.xxh3_64_digest(data) == want
