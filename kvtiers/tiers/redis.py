@@ -6,13 +6,13 @@ behind kvtiers' back reads as a miss (deleted and counted), never as wrong KV.
 
 The tier evicts by capacity itself (`manages_eviction`), least recently used over every
 process: a sorted set `<prefix>:<fingerprint hex>:lru` holds each chunk key with the time
-of its last write or read. A `put` runs one Lua script per batch, which writes the values,
-records them, and evicts the oldest entries past the capacity, atomically; a chunk that
-does not fit without evicting one of the batch's own chunks is declined, and so is every
-deeper one. A `get` is one pipeline: the GETs and a script that touches the hits. Since
-every value of a layout has the same size, the set's cardinality is the usage. The
-server's own `maxmemory` eviction may still drop values (a miss); the set then forgets
-them on the next write of the key or by age.
+of its last write or read. A `put` runs one Lua script per batch (`_redis_scripts`), which
+writes the values, records them, and evicts the oldest entries past the capacity,
+atomically; a chunk that does not fit without evicting one of the batch's own chunks is
+declined, and so is every deeper one. A `get` is one pipeline: the GETs and a script that
+touches the hits. Since every value of a layout has the same size, the set's cardinality
+is the usage. The server's own `maxmemory` eviction may still drop values (a miss); the
+set then forgets them on the next write of the key or by age.
 
 Every request is a pipeline behind the breaker of `_pool_guard`: while the server fails,
 calls return misses at once and `put` drops its chunks (counted); nothing raises.
@@ -55,6 +55,7 @@ from kvtiers.tiers._pool_guard import (
     plan_put,
 )
 from kvtiers.tiers._pool_options import RedisOptions
+from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
 from kvtiers.tiers._remote_options import Redactor, display_url
 from kvtiers.tiers.base import Buffer, Tier
@@ -64,70 +65,6 @@ __all__ = ["RedisOptions", "RedisTier"]
 # Bytes of values one request (a put script, a pipeline of GETs) carries, at most (one value
 # may be more): the requests of a large batch run concurrently, over several connections.
 _BATCH_BYTES = 64 * 2**20
-
-# KEYS[1]: the recency set; KEYS[2..]: chunk keys. ARGV[1]: now (seconds); ARGV[2]: the most
-# entries the capacity holds; ARGV[3]: ttl in ms (0: none); ARGV[4..]: the values, aligned.
-# Returns a 0/1 per key (held after the call), the set's size, then the names it evicted
-# (by capacity, or listed in the set past their ttl).
-_PUT = """
-local zset, now, limit, ttl = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local evicted = {}
-if ttl > 0 then
-  local cutoff = '(' .. (now - ttl / 1000)
-  evicted = redis.call('ZRANGEBYSCORE', zset, '-inf', cutoff)
-  redis.call('ZREMRANGEBYSCORE', zset, '-inf', cutoff)
-end
-local count = redis.call('ZCARD', zset)
-local out, full = {}, false
-for i = 2, #KEYS do
-  local key, held = KEYS[i], 0
-  local known = redis.call('ZSCORE', zset, key)
-  if known and redis.call('EXISTS', key) == 1 then
-    redis.call('ZADD', zset, ARGV[1], key)
-    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
-    held = 1
-  elseif not full then
-    if known then
-      redis.call('ZREM', zset, key)
-      count = count - 1
-    end
-    while count >= limit do
-      local oldest = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
-      if #oldest == 0 or tonumber(oldest[2]) >= now then
-        full = true
-        break
-      end
-      redis.call('ZREM', zset, oldest[1])
-      redis.call('UNLINK', oldest[1])
-      count = count - 1
-      evicted[#evicted + 1] = oldest[1]
-    end
-    if not full then
-      if ttl > 0 then
-        redis.call('SET', key, ARGV[i + 2], 'PX', ttl)
-      else
-        redis.call('SET', key, ARGV[i + 2])
-      end
-      redis.call('ZADD', zset, ARGV[1], key)
-      count, held = count + 1, 1
-    end
-  end
-  out[#out + 1] = held
-end
-out[#out + 1] = count
-for _, name in ipairs(evicted) do out[#out + 1] = name end
-return out
-"""
-
-# KEYS[1]: the recency set; KEYS[2..]: chunk keys that were read. ARGV[1]: now (seconds).
-_TOUCH = """
-for i = 2, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('ZADD', KEYS[1], 'XX', ARGV[1], KEYS[i])
-  end
-end
-return redis.call('ZCARD', KEYS[1])
-"""
 
 
 class RedisTier(Tier):
@@ -304,7 +241,7 @@ class RedisTier(Tier):
                 pipe.getex(name, px=ttl_ms)
             else:
                 pipe.get(name)
-        pipe.eval(_TOUCH, len(names) + 1, self._lru, *names, repr(time.time()))
+        pipe.eval(TOUCH_SCRIPT, len(names) + 1, self._lru, *names, repr(time.time()))
         *values, count = await pipe.execute()
         self._num_entries = int(count)
         return values
@@ -335,7 +272,7 @@ class RedisTier(Tier):
         values = [self._pack(key, sources[key]) for key in keys]
         names = [self._chunk_key(key) for key in keys]
         argv = (repr(time.time()), self.max_entries, self._ttl_ms())
-        out = await self._redis.eval(_PUT, len(names) + 1, self._lru, *names, *argv, *values)
+        out = await self._redis.eval(PUT_SCRIPT, len(names) + 1, self._lru, *names, *argv, *values)
         flags, count = [int(x) for x in out[: len(keys)]], int(out[len(keys)])
         evicted = [bytes(name)[len(self._chunk_prefix) :] for name in out[len(keys) + 1 :]]
         self._num_entries = count
