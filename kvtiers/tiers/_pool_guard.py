@@ -3,13 +3,16 @@
 The pool tiers reuse the remote tier's `CircuitBreaker` and `IOCounters`: after
 `breaker_failures` failed requests in a row every request is refused at once (a miss for
 the caller) until a probe after `breaker_cooldown` seconds succeeds.
+
+Beside the guard, the parts of a batch both pool tiers share: key checks, the plan of a
+`put`, the tally of a `get`, and the stored form of their values.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,13 +20,22 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, InvalidInputError
 from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import TierCounters
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, StoreUnavailable
 from kvtiers.tiers._remote_options import Redactor
 from kvtiers.tiers.base import Buffer
 
-__all__ = ["PutPlan", "StoreGuard", "StoreUnavailable", "StoredValues", "check_keys", "plan_put"]
+__all__ = [
+    "PutPlan",
+    "StoreGuard",
+    "StoreUnavailable",
+    "StoredValues",
+    "check_keys",
+    "plan_put",
+    "tally_reads",
+]
 
 logger = logging.getLogger("kvtiers")
 
@@ -161,6 +173,35 @@ def plan_put(keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> PutPlan:
     """
     order = list(dict.fromkeys(keys))
     return PutPlan(order, dict(zip(keys, srcs, strict=True)), dict.fromkeys(order, False))
+
+
+def tally_reads(
+    counters: TierCounters,
+    keys: Sequence[ChunkKey],
+    found: Iterable[Sequence[fmt.Verdict | None]],
+    chunk_bytes: int,
+) -> tuple[list[bool], list[ChunkKey]]:
+    """Count a `get` of `keys` in `counters`; return its hits and the keys read as bad.
+
+    Args:
+        counters: the tier's counters.
+        keys: the keys read.
+        found: the verdicts of each request's part of `keys`, in order; `None` where the
+            store had no value.
+        chunk_bytes: the payload bytes of one chunk.
+
+    Returns:
+        Whether each key was a hit, aligned with `keys`; and the keys whose values were
+        bad (corrupt, foreign or forged), for the tier to delete.
+    """
+    verdicts = [verdict for part in found for verdict in part]
+    hits = [verdict is fmt.Verdict.OK for verdict in verdicts]
+    bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, fmt.Verdict.OK)]
+    fmt.count_verdicts(counters, verdicts)
+    counters.hits += sum(hits)
+    counters.misses += len(keys) - sum(hits)
+    counters.bytes_read += sum(hits) * chunk_bytes
+    return hits, bad
 
 
 class StoredValues:

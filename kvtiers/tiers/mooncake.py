@@ -18,15 +18,14 @@ The store's semantics, and what the tier makes of them:
   the store, and enough of them in a row open the circuit breaker (`_pool_guard`).
 
 Capacity bounds the chunks this process knows to be in the pool (its writes and its hits),
-least recently used first; the pool's real bound is the memory its segments lend, beyond
-which the store evicts by itself.
+least recently used first (`_mooncake_catalog`); the pool's real bound is the memory its
+segments lend, beyond which the store evicts by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,8 +36,8 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierUsage
-from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
+from kvtiers.tiers._mooncake_catalog import KnownChunks
 from kvtiers.tiers._mooncake_io import (
     LOST,
     NOT_FOUND,
@@ -55,6 +54,7 @@ from kvtiers.tiers._pool_guard import (
     StoreUnavailable,
     check_keys,
     plan_put,
+    tally_reads,
 )
 from kvtiers.tiers._pool_options import MooncakeOptions
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
@@ -109,7 +109,7 @@ class MooncakeTier(Tier):
             breaker=CircuitBreaker(options.breaker_failures, options.breaker_cooldown),
             errors=(StoreFailed, RuntimeError, OSError, ValueError),
         )
-        self._catalog: OrderedDict[ChunkKey, None] = OrderedDict()  # least recent first
+        self._catalog = KnownChunks(self.max_entries)
         self._store: Any = None
         self._replicate: Any = None
         self._staging: Staging | None = None
@@ -215,7 +215,7 @@ class MooncakeTier(Tier):
         self.counters.errors += sum(code < 0 for code in codes)
         for key, code in zip(keys, codes, strict=True):
             if code == 0:
-                self._catalog.pop(key, None)
+                self._catalog.forget(key)
         return [code == 1 for code in codes]
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
@@ -233,21 +233,8 @@ class MooncakeTier(Tier):
             self._get_some(store, keys[i : i + per_call], dsts[i : i + per_call])
             for i in range(0, len(keys), per_call)
         )
-        verdicts = [verdict for part in found for verdict in part]
-        hits = [verdict is Verdict.OK for verdict in verdicts]
-        bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, Verdict.OK)]
-        fmt.count_verdicts(self.counters, verdicts)
-        self.counters.hits += sum(hits)
-        self.counters.misses += len(keys) - sum(hits)
-        self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
-        for key, hit in zip(keys, hits, strict=True):
-            if hit:
-                self._catalog[key] = None
-                self._catalog.move_to_end(key)
-            else:
-                self._catalog.pop(key, None)
-        while len(self._catalog) > self.max_entries:  # others' chunks read: forget the oldest
-            self._catalog.popitem(last=False)
+        hits, bad = tally_reads(self.counters, keys, found, self.layout.chunk_bytes)
+        self._catalog.note_reads(keys, hits)
         if bad:
             await self._remove(bad)
         return hits
@@ -299,16 +286,7 @@ class MooncakeTier(Tier):
         plan = plan_put(keys, srcs)
         order, held = plan.order, plan.held
         async with self._write_lock:
-            for key in order:
-                if key in self._catalog:
-                    held[key] = True
-                    self._catalog.move_to_end(key)
-            # NOTE: the batch's known chunks stay; once a new one does not fit, no deeper
-            # one is stored without it.
-            new = [key for key in order if not held[key]]
-            new = new[: max(0, self.max_entries - (len(order) - len(new)))]
-            excess = len(self._catalog) + len(new) - self.max_entries
-            victims = [key for key in self._catalog if key not in held][: max(0, excess)]
+            new, victims = self._catalog.admit(order, held)
             if victims:
                 self.counters.evictions += len(victims)
                 self._note_evicted(victims)
@@ -351,7 +329,7 @@ class MooncakeTier(Tier):
             stored = [key for key, code in zip(keys, codes, strict=True) if code == 0]
             for key in stored:
                 held[key] = True
-                self._catalog[key] = None
+                self._catalog.add(key)
             self.counters.puts += len(stored)
             self.counters.bytes_written += len(stored) * self.layout.chunk_bytes
 
@@ -378,7 +356,7 @@ class MooncakeTier(Tier):
     async def _remove(self, keys: Sequence[ChunkKey]) -> None:
         """Remove `keys` from the store (forced: leases do not hold it up)."""
         for key in keys:
-            self._catalog.pop(key, None)
+            self._catalog.forget(key)
         store = await self._client()
         if store is None or self._guard.refuses():
             return

@@ -45,7 +45,6 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierUsage
-from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._pool_guard import (
     StoredValues,
@@ -53,6 +52,7 @@ from kvtiers.tiers._pool_guard import (
     StoreUnavailable,
     check_keys,
     plan_put,
+    tally_reads,
 )
 from kvtiers.tiers._pool_options import RedisOptions
 from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
@@ -206,13 +206,7 @@ class RedisTier(Tier):
             self._get_some(keys[i : i + per_call], dsts[i : i + per_call])
             for i in range(0, len(keys), per_call)
         )
-        verdicts = [verdict for part in found for verdict in part]
-        hits = [verdict is Verdict.OK for verdict in verdicts]
-        bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, Verdict.OK)]
-        fmt.count_verdicts(self.counters, verdicts)
-        self.counters.hits += sum(hits)
-        self.counters.misses += len(keys) - sum(hits)
-        self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
+        hits, bad = tally_reads(self.counters, keys, found, self.layout.chunk_bytes)
         if bad:
             await self._delete(bad)
         return hits

@@ -1,0 +1,78 @@
+"""The mooncake tier's record of its pool: the chunks it knows there, least recent first.
+
+The store reports no usage of one tier's chunks and evicts by itself when its segments
+fill, so the tier bounds by capacity only the chunks this process knows to be in the pool
+(its writes and its hits), and evicts the least recently used of them to make room. The
+record may be wrong both ways: another process's chunk is in it only once read here, and
+a chunk the store dropped stays in it until a read or a `contains` misses it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtiers.core.keys import ChunkKey
+
+__all__ = ["KnownChunks"]
+
+
+class KnownChunks:
+    """The chunks this process knows to be in the pool, least recently used first.
+
+    Args:
+        max_entries: the most chunks the tier's capacity holds.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()  # least recent first
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: ChunkKey) -> None:
+        """Record `key` as stored; a new key becomes the most recent."""
+        self._keys[key] = None
+
+    def forget(self, key: ChunkKey) -> None:
+        """Drop `key` from the record, if it is there."""
+        self._keys.pop(key, None)
+
+    def note_reads(self, keys: Sequence[ChunkKey], hits: Sequence[bool]) -> None:
+        """Record a read: each hit becomes the most recent, each miss is forgotten.
+
+        Hits on other processes' chunks may take the record past `max_entries`; the
+        least recent are then forgotten (not evicted: they stay in the pool).
+        """
+        for key, hit in zip(keys, hits, strict=True):
+            if hit:
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+            else:
+                self._keys.pop(key, None)
+        while len(self._keys) > self.max_entries:  # others' chunks read: forget the oldest
+            self._keys.popitem(last=False)
+
+    def admit(
+        self, order: Sequence[ChunkKey], held: dict[ChunkKey, bool]
+    ) -> tuple[list[ChunkKey], list[ChunkKey]]:
+        """Plan a `put` of the distinct keys `order`: what to write, and what to evict.
+
+        Each key of `order` that is known is set in `held` and becomes the most recent.
+
+        Returns:
+            The keys to write (the new ones that fit, in order) and the known keys to
+            evict to make room for them (least recent first, none of the batch's).
+        """
+        for key in order:
+            if key in self._keys:
+                held[key] = True
+                self._keys.move_to_end(key)
+        # NOTE: the batch's known chunks stay; once a new one does not fit, no deeper
+        # one is stored without it.
+        new = [key for key in order if not held[key]]
+        new = new[: max(0, self.max_entries - (len(order) - len(new)))]
+        excess = len(self._keys) + len(new) - self.max_entries
+        victims = [key for key in self._keys if key not in held][: max(0, excess)]
+        return new, victims
