@@ -67,6 +67,9 @@ class Slot:
     failed: dict[ChunkKey, None] = field(default_factory=dict)
     """Keys whose write-through copy failed because the tier or its store did (oldest
     first, bounded): a later hit in the top tier queues them again."""
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the writer takes keys from the queue (or stops): calls waiting on a full
+    queue look again."""
 
 
 class Residency:
@@ -240,13 +243,18 @@ class Residency:
         """Await the tier operation `name`, turning a tier failure into `default` (misses).
 
         Any exception a tier raises counts: a backend error that escaped the tier's own
-        translation must not reach the engine either. Cancellation still propagates. The
+        translation must not reach the engine either. Cancellation still propagates; a
+        `CancelledError` while this task is not being cancelled is the tier's own future
+        cancelled under it (its close cancels requests not yet started), so a failure. The
         call's duration goes into the tier's latency histogram of `name`, failed or not.
         """
         start = time.perf_counter()
         try:
             return await op
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            task = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and (task is None or task.cancelling()):
+                raise
             self._log.warning(
                 slot.tier.name,
                 "kvtiers: tier %s failed (%s); served as misses",

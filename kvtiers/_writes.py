@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from kvtiers._residency import Residency, Slot
+from kvtiers.core.errors import CacheStateError
 from kvtiers.core.keys import ChunkKey
 
 __all__ = ["WriteQueues"]
@@ -25,11 +26,35 @@ class WriteQueues(Residency):
     (never evicted from the top tier) until its copy is written or has failed.
     """
 
+    _writers: tuple[asyncio.Task[None], ...] = ()  # set by `start`
+    _stopped = False  # set by `stop`: nothing is queued any more
+
     def start(self, group: asyncio.TaskGroup) -> None:
         """Start one background writer per write-through tier in `group`."""
+        writers = []
         for slot in self._through:
             slot.queue = asyncio.Queue(maxsize=self._queue_chunks)
-            group.create_task(self._writer(slot), name=f"kvtiers-writer-{slot.tier.name}")
+            name = f"kvtiers-writer-{slot.tier.name}"
+            writers.append(group.create_task(self._writer(slot), name=name))
+        self._writers = tuple(writers)
+
+    def stop(self) -> None:
+        """Stop the writers now and drop what their queues hold (a close cut short).
+
+        Calls waiting to queue a copy then raise `CacheStateError`; `flush` returns.
+        """
+        self._stopped = True
+        for task in self._writers:
+            task.cancel()
+        for slot in self._through:
+            queue = slot.queue
+            while queue is not None and not queue.empty():
+                key = queue.get_nowait()
+                if key is not None:
+                    slot.queued.discard(key)
+                    self._release_pending(key)
+                queue.task_done()
+            slot.room.set()
 
     async def drain(self) -> None:
         """Let every writer finish its queue, then stop."""
@@ -68,13 +93,29 @@ class WriteQueues(Residency):
         queued = 0
         try:
             for slot, key in jobs:
-                assert slot.queue is not None
-                await slot.queue.put(key)
+                await self._put_job(slot, key)
                 queued += 1
         finally:
             for slot, key in jobs[queued:]:
                 slot.queued.discard(key)
                 self._release_pending(key)
+
+    async def _put_job(self, slot: Slot, key: ChunkKey) -> None:
+        """Queue `key` for `slot`'s writer, waiting while the queue is full.
+
+        Raises:
+            CacheStateError: the writers were stopped (a close cut short) meanwhile.
+        """
+        queue = slot.queue
+        assert queue is not None
+        # NOTE: not `queue.put`: a put waiting on a full queue would wait forever once
+        # `stop` has cancelled the writer that takes from it.
+        while queue.full() and not self._stopped:
+            slot.room.clear()
+            await slot.room.wait()
+        if self._stopped:
+            raise CacheStateError("the cache was closed while this call queued copies")
+        queue.put_nowait(key)
 
     def _queue_copies(self, slots: Sequence[Slot], keys: Sequence[ChunkKey]) -> None:
         """Queue copies of top-tier `keys` for the write-through `slots`, without waiting.
@@ -84,7 +125,7 @@ class WriteQueues(Residency):
         """
         for slot in slots:
             queue, bit = slot.queue, 1 << slot.idx
-            if queue is None:
+            if queue is None or self._stopped:
                 continue
             for key in keys:
                 if queue.full():
@@ -122,6 +163,7 @@ class WriteQueues(Residency):
             batch = [await queue.get()]
             while batch[-1] is not None and len(batch) < _WRITE_BATCH and not queue.empty():
                 batch.append(queue.get_nowait())
+            slot.room.set()  # calls waiting on a full queue go on
             keys = [key for key in batch if key is not None]
             try:
                 if keys:

@@ -103,6 +103,7 @@ class TieredCache(KeyLevelAPI):
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that opened it
         self._tally = CallTally()
         self._activity = Activity()  # calls in flight, which `close` waits for
+        self._closed = asyncio.Event()  # set once the tiers are closed (or never opened)
 
     @classmethod
     def from_config(
@@ -183,6 +184,7 @@ class TieredCache(KeyLevelAPI):
         except BaseException:
             await self._stack.aclose()
             self._state = CacheState.CLOSED
+            self._closed.set()
             raise
         self._state = CacheState.OPEN
 
@@ -192,16 +194,31 @@ class TieredCache(KeyLevelAPI):
         Calls made from then on raise `CacheStateError`; calls already running finish
         first (so a `store` in flight when `close` is called still reaches every
         write-through tier). After an orderly close every chunk that `store` accepted is
-        in every write-through tier that accepted it.
+        in every write-through tier that accepted it. A second call returns once the
+        first has closed the tiers.
+
+        Cancelled before the queues are drained, it still closes the tiers (the copies
+        still queued are dropped) before the cancellation propagates.
         """
         if self._state is CacheState.OPEN:
             self._state = CacheState.CLOSED
             try:
                 await self._activity.idle()
                 await self._mover.drain()
+            except BaseException:
+                # NOTE: cut short, the writers would wait for the end of their queues
+                # forever, and the task group (so the tiers' closing) with them.
+                self._mover.stop()
+                raise
             finally:
-                await self._stack.aclose()
+                try:
+                    await self._stack.aclose()
+                finally:
+                    self._closed.set()
+        elif self._state is CacheState.UNOPENED:
+            self._closed.set()
         self._state = CacheState.CLOSED
+        await self._closed.wait()
 
     async def __aenter__(self) -> Self:
         await self.open()
