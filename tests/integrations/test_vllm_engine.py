@@ -180,23 +180,49 @@ def test_pipeline_stages_store_their_layers_and_a_fresh_engine_hits_on_both(
     assert all(ns["layout"]["num_layers"] == 1 for ns in run["layouts"])
 
 
+def first_token_gap(outputs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> list[float]:
+    """Per prompt, the largest log-probability gap over the first output token's top candidates.
+
+    Returns infinity for a prompt whose first token differs or whose candidates mostly do.
+    """
+    gaps = []
+    for out, base in zip(outputs, baseline, strict=True):
+        got, want = out["first_logprobs"], base["first_logprobs"]
+        common = set(got) & set(want)
+        same = out["tokens"][0] == base["tokens"][0] and len(common) >= len(want) // 2
+        gaps.append(max(abs(got[t] - want[t]) for t in common) if same else float("inf"))
+    return gaps
+
+
+# NOTE: vLLM's CPU MLA backend computes a prefill over a loaded prefix with another kernel
+# than a whole prefill (it up-projects the cached latents and merges two attention parts),
+# so the logits differ in bf16's last bits, and with random weights a near tie between two
+# tokens can flip a later greedy token (vLLM disables its own prefix cache for MLA on the
+# CPU). So the MLA checks compare the first output token and its top candidates'
+# log-probabilities (within bf16 noise, 0.1) instead of whole outputs; KV of other values
+# moves them far more.
+BF16_NOISE = 0.1
+
+
 def test_mla_latents_are_stored_reloaded_and_attended_to(vllm_python, tiny_deepseek, tmp_path):
     run = result_of(start(vllm_python, tiny_deepseek, tmp_path, "mla"))
-    baseline = tokens(run["baseline"])
+    baseline = run["baseline"]
     # One latent vector per token (kv_lora_rank 512 + rope 64), in vLLM's CPU MLA blocks.
     assert run["layout"] == {"kind": "mla", "heads": 1, "dim": 576}
     assert run["block_size"] == 16
     assert run["first"][0]["cached"] == 0
+    assert tokens(run["first"]) == tokens(baseline[:1])  # computed, not loaded: exact
     assert all(o["cached"] >= PREFIX for o in run["stored"][1:])
-    assert tokens(run["stored"]) == baseline
-    # A fresh engine (empty DRAM tier) loads the latents from LMDB.
+    assert max(first_token_gap(run["stored"], baseline)) <= BF16_NOISE
+    # A fresh engine (empty DRAM tier) loads the latents from LMDB: the same as engine A's.
     assert all(o["cached"] >= PREFIX for o in run["restart"])
     assert run["restart_tier_hits"]["lmdb"] > 0
-    assert tokens(run["restart"]) == baseline
+    assert run["restart"] == run["stored"]
     # Other latents under the same keys change every output: the engine attends to them.
     assert run["other_values_stored"] > 0
     assert all(o["cached"] >= PREFIX for o in run["replaced"])
-    for replaced, base in zip(tokens(run["replaced"]), baseline, strict=True):
+    assert min(first_token_gap(run["replaced"], baseline)) > BF16_NOISE
+    for replaced, base in zip(tokens(run["replaced"]), tokens(baseline), strict=True):
         assert replaced != base
     if len(os.sched_getaffinity(0)) < 2:
         return  # TWO_CPUS: the rest needs two workers
@@ -206,7 +232,7 @@ def test_mla_latents_are_stored_reloaded_and_attended_to(vllm_python, tiny_deeps
     assert tp2["first"][0]["cached"] == 0
     assert tokens(tp2["first"]) == tokens(tp2["baseline"])
     assert all(o["cached"] >= PREFIX for o in tp2["reused"])
-    assert tokens(tp2["reused"]) == tokens(tp2["baseline"])
+    assert max(first_token_gap(tp2["reused"], tp2["baseline"])) <= BF16_NOISE
     shapes = sorted((ns["layout"]["tp_rank"], ns["layout"]["tp_size"]) for ns in tp2["layouts"])
     assert shapes == [(0, 1), (0, 2)]
 

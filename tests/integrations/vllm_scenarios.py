@@ -53,6 +53,7 @@ CHUNK = 64
 BLOCK = 32
 PREFIX_TOKENS = 4 * CHUNK  # the shared prefix: four chunks
 MAX_TOKENS = 8
+TOP = 20  # candidates whose log-probabilities a scenario records for the first output token
 
 
 def make_prompts(seed: int, count: int = 3) -> list[list[int]]:
@@ -92,6 +93,7 @@ class Engine:
         kv_events_endpoint: str | None = None,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        logprobs: int | None = None,
     ) -> None:
         from vllm import LLM, SamplingParams
         from vllm.config import KVEventsConfig
@@ -120,7 +122,9 @@ class Engine:
             seed=0,
         )
         self.start_seconds = time.perf_counter() - started
-        self.params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        self.params = SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs
+        )
         self.reported: dict[str, float] = {}
         if config is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             self._record_connector_stats()
@@ -147,9 +151,14 @@ class Engine:
 
     def generate(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params)
-        return [
-            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outputs
-        ]
+        results = []
+        for o in outputs:
+            result = {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+            if o.outputs[0].logprobs:  # the first output token's top candidates
+                first = o.outputs[0].logprobs[0]
+                result["first_logprobs"] = {str(t): float(lp.logprob) for t, lp in first.items()}
+            results.append(result)
+        return results
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -180,12 +189,12 @@ async def store_other_values(config: dict[str, Any], layout: Any, prompts: list[
 
 
 def on_other_values(
-    model: str, work: Path, layout: Any, prompts: list[list[int]]
+    model: str, work: Path, layout: Any, prompts: list[list[int]], logprobs: int | None = None
 ) -> tuple[int, list[dict[str, Any]]]:
     """Store random KV for `prompts` in a fresh LMDB path, then run them on it."""
     negative = tiers(work, lmdb_name="lmdb-other")
     stored = asyncio.run(store_other_values(negative, layout, prompts))
-    engine = Engine(model, negative, prefix_caching=False)
+    engine = Engine(model, negative, prefix_caching=False, logprobs=logprobs)
     outputs = engine.generate(prompts)
     engine.close()
     return stored, outputs
@@ -252,22 +261,22 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
 def scenario_mla(model: str, work: Path) -> dict[str, Any]:
     prompts = make_prompts(seed=0)
     result: dict[str, Any] = {}
-    base = Engine(model, None, prefix_caching=False)
+    base = Engine(model, None, prefix_caching=False, logprobs=TOP)
     result["baseline"] = base.generate(prompts)
     base.close()
-    a = Engine(model, tiers(work), prefix_caching=False)
+    a = Engine(model, tiers(work), prefix_caching=False, logprobs=TOP)
     result["first"] = a.generate(prompts[:1])
     result["stored"] = a.generate(prompts)
     layout = a.connector.layout
     result["layout"] = {"kind": layout.kind, "heads": layout.num_kv_heads, "dim": layout.head_size}
     result["block_size"] = a.llm.llm_engine.vllm_config.cache_config.block_size
     a.close()  # closes the cache: engine B starts with an empty DRAM tier
-    b = Engine(model, tiers(work), prefix_caching=False)
+    b = Engine(model, tiers(work), prefix_caching=False, logprobs=TOP)
     result["restart"] = b.generate(prompts)
     result["restart_tier_hits"] = tier_hits(b.connector)
     b.close()
     result["other_values_stored"], result["replaced"] = on_other_values(
-        model, work, layout, prompts
+        model, work, layout, prompts, logprobs=TOP
     )
     return result
 
@@ -277,13 +286,13 @@ def scenario_mla_tp2(model: str, work: Path) -> dict[str, Any]:
     _bind_ranks(2)
     prompts = make_prompts(seed=0)
     result: dict[str, Any] = {}
-    engine = Engine(model, None, prefix_caching=False, tensor_parallel=2)
+    engine = Engine(model, None, prefix_caching=False, tensor_parallel=2, logprobs=TOP)
     result["baseline"] = engine.generate(prompts)
     engine.close()
-    engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2)
+    engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2, logprobs=TOP)
     result["first"] = engine.generate(prompts)  # TP 1's latents are another layout
     engine.close()
-    engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2)
+    engine = Engine(model, tiers(work), prefix_caching=False, tensor_parallel=2, logprobs=TOP)
     result["reused"] = engine.generate(prompts)  # what the two TP 2 ranks stored, shared
     engine.close()
     result["layouts"] = _layouts_in(work / "lmdb")
