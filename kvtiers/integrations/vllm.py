@@ -27,7 +27,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtiers.cache import TieredCache
@@ -36,7 +35,6 @@ from kvtiers.core.stats import CacheStats
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_events import EventQuorum, WorkerEvents, kv_events_on
-from kvtiers.integrations._vllm_kv import PagedLayout, detect_layout
 from kvtiers.integrations._vllm_messages import (
     KVTiersConnectorMetadata,
     KVTiersConnectorStats,
@@ -49,6 +47,7 @@ from kvtiers.integrations._vllm_plan import (
     chunk_size_for,
 )
 from kvtiers.integrations._vllm_scheduler import Lookup, SchedulerSide
+from kvtiers.integrations._vllm_topology import Topology
 from kvtiers.integrations._vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -76,14 +75,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._settings = ConnectorSettings.from_extra(extra)
-        _check_supported(vllm_config, kv_cache_config)
+        self._topology = Topology.of(vllm_config, kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._chunk_size = chunk_size_for(self._block_size, self._settings.chunk_size)
-        parallel = vllm_config.parallel_config
-        self._tp_size = int(parallel.tensor_parallel_size)
-        self._pp_size = int(parallel.pipeline_parallel_size)
-        self._num_ranks = self._tp_size * self._pp_size  # workers, each with its own shard
-        self._dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._socket_dir = self._settings.socket_dir or tempfile.gettempdir()
         self._scheduler: SchedulerSide | None = None
@@ -101,7 +95,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 kv_events=kv_events,
             )
             if kv_events:
-                self._quorum = EventQuorum(self._num_ranks, self._settings.event_chunks)
+                self._quorum = EventQuorum(self._topology.num_ranks, self._settings.event_chunks)
             if self._settings.on_load_error == "recompute":
                 # NOTE: vLLM reads this right after building the scheduler-side connector;
                 # kvtiers is a cache, so a failed load is recomputed, never an error.
@@ -112,7 +106,8 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def _make_lookup(self) -> Lookup:
         """Find where lookups go: the worker's cache in this process, or the channel."""
-        entry = CACHES.find(self._engine_id, 0) if self._num_ranks == 1 else None
+        num_ranks = self._topology.num_ranks
+        entry = CACHES.find(self._engine_id, 0) if num_ranks == 1 else None
         if entry is not None:
             found = entry
 
@@ -122,9 +117,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
             return direct
         loop = LoopThread(name="kvtiers-lookup")
+        dp_rank = self._topology.dp_rank
         paths = [
-            socket_path(self._socket_dir, self._engine_id, self._dp_rank, rank)
-            for rank in range(self._num_ranks)
+            socket_path(self._socket_dir, self._engine_id, dp_rank, rank)
+            for rank in range(num_ranks)
         ]
         client = LookupClient(paths)
         self._parts["client"] = (loop, client)
@@ -199,49 +195,16 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         except Exception:
             logger.exception("kvtiers: the cache could not be opened; the connector is off")
 
-    def _worker_layout(self, kv_caches: dict[str, torch.Tensor]) -> tuple[PagedLayout, KVLayout]:
-        """Return vLLM's paged layout of `kv_caches` and this rank's chunk layout.
-
-        A pipeline stage holds only its own layers; its stage goes into the model name
-        (`<model>#pp<stage>/<stages>`), so stages never share a key. MLA's latent cache is
-        the same on every TP rank, so the ranks share one layout (TP rank 0 of the TP
-        size). Not across TP sizes: the all-reduces sum in another order, so the latents
-        of deeper layers differ in their last bits.
-        """
-        config = self._vllm_config
-        model = config.model_config
-        first = next(iter(kv_caches.values()))
-        mla = bool(model.use_mla)
-        paged = detect_layout(
-            first,
-            block_size=self._block_size,
-            num_kv_heads=1 if mla else model.get_num_kv_heads(config.parallel_config),
-            head_size=model.get_head_size(),
-            mla=mla,
-        )
-        sharded = self._tp_size > 1 and not mla
-        name = self._settings.model_name or str(model.model)
-        if self._pp_size > 1:
-            name = f"{name}#pp{_pp_rank()}/{self._pp_size}"
-        layout = KVLayout(
-            model=name,
-            model_revision=str(model.revision or ""),
-            num_layers=len(kv_caches),
-            num_kv_heads=paged.num_kv_heads,
-            head_size=paged.head_size,
-            dtype=str(first.dtype).removeprefix("torch."),
-            chunk_size=self._chunk_size,
-            tp_rank=_tp_rank() if sharded else 0,
-            tp_size=self._tp_size,
-            kind="mla" if mla else "mha",
-        )
-        return paged, layout
-
     def _start_worker(self, kv_caches: dict[str, torch.Tensor]) -> WorkerSide:
-        config = self._vllm_config
-        paged, layout = self._worker_layout(kv_caches)
-        tp_rank = _tp_rank() if self._tp_size > 1 else 0
-        rank = _pp_rank() * self._tp_size + tp_rank if self._pp_size > 1 else tp_rank
+        config, topology = self._vllm_config, self._topology
+        paged, layout = topology.worker_layout(
+            config,
+            kv_caches,
+            block_size=self._block_size,
+            chunk_size=self._chunk_size,
+            model_name=self._settings.model_name,
+        )
+        rank = topology.rank()
         source = self._settings.tiers_source()
         entry = CACHES.acquire(
             (config_identity(source), layout),
@@ -249,7 +212,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         self._parts["entry"] = entry
         CACHES.publish(self._engine_id, rank, entry)
-        path = socket_path(self._socket_dir, self._engine_id, self._dp_rank, rank)
+        path = socket_path(self._socket_dir, self._engine_id, topology.dp_rank, rank)
         server = LookupServer(path, lambda tokens, salt: entry.cache.lookup(tokens, salt=salt))
         entry.loop.run(server.start(), 30)
         entry.extras[path] = server
@@ -373,43 +336,6 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             self._worker.flush(self._settings.close_timeout_s)
         self._finalizer()
-
-
-def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    if len(groups) > 1:
-        raise ValueError(
-            "KVTiersConnector handles models with one KV-cache group; this model has "
-            f"{len(groups)} (hybrid attention). Pass --disable-hybrid-kv-cache-manager."
-        )
-    spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
-    if spec is not None and not isinstance(spec, FullAttentionSpec):
-        # NOTE: vLLM frees blocks that slide out of a window, so a saved prefix would hold
-        # garbage; with the hybrid manager off, vLLM keeps every token's KV.
-        raise ValueError(
-            f"KVTiersConnector needs full-attention KV, not {type(spec).__name__}; pass "
-            "--disable-hybrid-kv-cache-manager"
-        )
-    parallel = vllm_config.parallel_config
-    for option in ("prefill_context_parallel_size", "decode_context_parallel_size"):
-        if int(getattr(parallel, option, 1) or 1) > 1:
-            # NOTE: context parallelism splits a request's tokens across ranks, so no rank
-            # holds whole chunks.
-            raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
-
-
-def _tp_rank() -> int:
-    """Return this worker's TP rank."""
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-    return int(get_tensor_model_parallel_rank())
-
-
-def _pp_rank() -> int:
-    """Return this worker's pipeline stage."""
-    from vllm.distributed.parallel_state import get_pp_group
-
-    return int(get_pp_group().rank_in_group)
 
 
 def _shut_down(parts: dict[str, Any]) -> None:

@@ -1,0 +1,143 @@
+"""The engine's parallel shape as the vLLM connector sees it, and each worker's shard.
+
+vLLM runs one worker per TP rank of each pipeline stage (per data-parallel rank). Each
+worker owns the KV of its heads (TP) and its layers (PP), so each stores under a layout of
+its own, and the scheduler must ask every worker and take the minimum. This module says
+which shapes the connector supports, how many workers answer, which one this process is,
+and what layout its shard has.
+
+It imports vLLM; `import kvtiers` never imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from kvtiers.core.layout import KVLayout
+from kvtiers.integrations._vllm_kv import PagedLayout, detect_layout
+
+__all__ = ["Topology"]
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The engine's tensor, pipeline and data parallel sizes, checked for support."""
+
+    tp_size: int
+    """Tensor-parallel ranks per stage; each holds some KV heads (all of MLA's latent)."""
+    pp_size: int
+    """Pipeline stages; each holds some layers."""
+    dp_rank: int
+    """This engine's data-parallel rank (each DP rank is an engine of its own)."""
+
+    @classmethod
+    def of(cls, vllm_config: Any, kv_cache_config: Any) -> Topology:
+        """Return the engine's topology.
+
+        Raises:
+            ValueError: the model has hybrid or non-full attention, or the engine uses
+                context parallelism (no rank holds whole chunks).
+        """
+        _check_supported(vllm_config, kv_cache_config)
+        parallel = vllm_config.parallel_config
+        return cls(
+            tp_size=int(parallel.tensor_parallel_size),
+            pp_size=int(parallel.pipeline_parallel_size),
+            dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        """Return the workers of one engine, each with its own shard."""
+        return self.tp_size * self.pp_size
+
+    def rank(self) -> int:
+        """Return this worker's rank in its engine (`pp_rank * tp_size + tp_rank`)."""
+        tp_rank = _tp_rank() if self.tp_size > 1 else 0
+        return _pp_rank() * self.tp_size + tp_rank if self.pp_size > 1 else tp_rank
+
+    def worker_layout(
+        self,
+        vllm_config: Any,
+        kv_caches: dict[str, torch.Tensor],
+        *,
+        block_size: int,
+        chunk_size: int,
+        model_name: str | None,
+    ) -> tuple[PagedLayout, KVLayout]:
+        """Return vLLM's paged layout of `kv_caches` and this worker's chunk layout.
+
+        A pipeline stage holds only its own layers; its stage goes into the model name
+        (`<model>#pp<stage>/<stages>`), so stages never share a key. MLA's latent cache is
+        the same on every TP rank, so the ranks share one layout (TP rank 0 of the TP
+        size). Not across TP sizes: the all-reduces sum in another order, so the latents
+        of deeper layers differ in their last bits.
+        """
+        model = vllm_config.model_config
+        first = next(iter(kv_caches.values()))
+        mla = bool(model.use_mla)
+        paged = detect_layout(
+            first,
+            block_size=block_size,
+            num_kv_heads=1 if mla else model.get_num_kv_heads(vllm_config.parallel_config),
+            head_size=model.get_head_size(),
+            mla=mla,
+        )
+        sharded = self.tp_size > 1 and not mla
+        name = model_name or str(model.model)
+        if self.pp_size > 1:
+            name = f"{name}#pp{_pp_rank()}/{self.pp_size}"
+        layout = KVLayout(
+            model=name,
+            model_revision=str(model.revision or ""),
+            num_layers=len(kv_caches),
+            num_kv_heads=paged.num_kv_heads,
+            head_size=paged.head_size,
+            dtype=str(first.dtype).removeprefix("torch."),
+            chunk_size=chunk_size,
+            tp_rank=_tp_rank() if sharded else 0,
+            tp_size=self.tp_size,
+            kind="mla" if mla else "mha",
+        )
+        return paged, layout
+
+
+def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise ValueError(
+            "KVTiersConnector handles models with one KV-cache group; this model has "
+            f"{len(groups)} (hybrid attention). Pass --disable-hybrid-kv-cache-manager."
+        )
+    spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
+    if spec is not None and not isinstance(spec, FullAttentionSpec):
+        # NOTE: vLLM frees blocks that slide out of a window, so a saved prefix would hold
+        # garbage; with the hybrid manager off, vLLM keeps every token's KV.
+        raise ValueError(
+            f"KVTiersConnector needs full-attention KV, not {type(spec).__name__}; pass "
+            "--disable-hybrid-kv-cache-manager"
+        )
+    parallel = vllm_config.parallel_config
+    for option in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if int(getattr(parallel, option, 1) or 1) > 1:
+            # NOTE: context parallelism splits a request's tokens across ranks, so no rank
+            # holds whole chunks.
+            raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
+
+
+def _tp_rank() -> int:
+    """Return this worker's TP rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _pp_rank() -> int:
+    """Return this worker's pipeline stage."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return int(get_pp_group().rank_in_group)

@@ -1,0 +1,75 @@
+"""Which engine shapes the vLLM connector accepts (vLLM's own KV-cache spec classes).
+
+The check runs in the vLLM virtualenv (a subprocess: the dev environment has no vLLM);
+the engine configs are stand-ins with only the fields the check reads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.conftest import scenario_env
+
+pytestmark = pytest.mark.slow
+
+_CHECK = textwrap.dedent(
+    """
+    import json
+    from types import SimpleNamespace as NS
+
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec,
+    )
+
+    from kvtiers.integrations._vllm_topology import Topology
+
+    dims = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    full = KVCacheGroupSpec(["layers.0.attn"], FullAttentionSpec(**dims))
+    window = KVCacheGroupSpec(["layers.1.attn"], SlidingWindowSpec(**dims, sliding_window=64))
+
+    def config(**parallel):
+        fields = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0)
+        return NS(parallel_config=NS(**{**fields, **parallel}))
+
+    def outcome(vllm_config, groups):
+        try:
+            t = Topology.of(vllm_config, NS(kv_cache_groups=groups))
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_rank, "ranks": t.num_ranks}
+
+    print(json.dumps({
+        "full": outcome(config(tensor_parallel_size=2, pipeline_parallel_size=2,
+                               data_parallel_rank=1), [full]),
+        "hybrid": outcome(config(), [full, window]),
+        "window": outcome(config(), [window]),
+        "pcp": outcome(config(prefill_context_parallel_size=2), [full]),
+        "dcp": outcome(config(decode_context_parallel_size=2), [full]),
+    }))
+    """
+)
+
+
+def test_full_attention_is_accepted_and_the_rest_refused_with_a_hint(vllm_python: Path) -> None:
+    done = subprocess.run(
+        [str(vllm_python), "-c", _CHECK],
+        capture_output=True,
+        text=True,
+        env=scenario_env(),
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["full"] == {"tp": 2, "pp": 2, "dp": 1, "ranks": 4}
+    assert "--disable-hybrid-kv-cache-manager" in got["hybrid"]["error"]
+    assert "2 (hybrid attention)" in got["hybrid"]["error"]
+    assert "SlidingWindowSpec" in got["window"]["error"]
+    assert "prefill_context_parallel_size > 1" in got["pcp"]["error"]
+    assert "decode_context_parallel_size > 1" in got["dcp"]["error"]
