@@ -43,6 +43,10 @@ _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})  # answers, not failures: ne
 _BUGS = (TypeError, AttributeError, NotImplementedError, AssertionError)
 
 
+class StoreClosed(StoreUnavailable):
+    """The store was closed while a request waited for it (never retried)."""
+
+
 class RequestRunner:
     """Run one store's filesystem calls under the slot, timeout, retry and breaker rules.
 
@@ -94,7 +98,7 @@ class RequestRunner:
                 async with self._slots:
                     self.counters.requests += 1
                     result = await self._attempt(call, on_success)
-            except (asyncio.CancelledError, *_BUGS):
+            except (asyncio.CancelledError, StoreClosed, *_BUGS):
                 self.breaker.abandon()
                 raise
             except Exception as exc:
@@ -148,6 +152,10 @@ class RequestRunner:
             fut.cancel()
             self.counters.timeouts += 1
             raise TimeoutError(f"no answer within {timeout:g} s")
+        if fut.cancelled():
+            # NOTE: the store closed under the request (its thread pool drops queued calls);
+            # the caller was not cancelled, so it gets an unavailable store, not a cancel.
+            raise StoreClosed(f"{self.url}: closed")
         result = fut.result()
         if on_success is not None:
             on_success()

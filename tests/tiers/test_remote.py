@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -232,6 +233,31 @@ async def test_a_folder_where_an_object_belongs_is_a_miss(tmp_path: Path) -> Non
         assert await asyncio.wait_for(tier.get(ks, out), 10) == [False, True]
         assert await asyncio.wait_for(tier.get_layers(ks, [1], out), 10) == [False, True]
         assert (out[0] == 7).all() and np.array_equal(out[1], srcs[1])
+
+
+async def test_a_close_under_queued_requests_is_a_miss_not_a_cancellation(tmp_path: Path) -> None:
+    # Closing drops the calls still queued in the tier's thread pool; their callers were
+    # not cancelled, so they get misses.
+    tier = make_tier(f"file://{tmp_path}/pool", max_in_flight=2)
+    await tier.open()
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def occupy() -> None:
+        started.release()
+        release.wait(30)
+
+    pool = tier._store._pool
+    busy = [pool.submit(occupy) for _ in range(2)]  # the next requests queue behind
+    try:
+        assert await asyncio.to_thread(lambda: all(started.acquire(timeout=10) for _ in busy))
+        call = asyncio.ensure_future(tier.contains(keys(2)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await tier.close()
+    finally:
+        release.set()
+        await asyncio.gather(*map(asyncio.wrap_future, busy))
+    assert await asyncio.wait_for(call, 10) == [False, False]
 
 
 # -- layer-wise reads --------------------------------------------------------------------------
