@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.v1 import kv_cache_interface
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvtiers.core.layout import KVLayout
@@ -35,14 +36,15 @@ class Topology:
     """This engine's data-parallel rank (each DP rank is an engine of its own)."""
 
     @classmethod
-    def of(cls, vllm_config: Any, kv_cache_config: Any) -> Topology:
+    def of(cls, vllm_config: Any, kv_cache_config: Any, *, store_generated: bool) -> Topology:
         """Return the engine's topology.
 
         Raises:
-            ValueError: the model has hybrid or non-full attention, or the engine uses
-                context parallelism (no rank holds whole chunks).
+            ValueError: the model has hybrid or non-full attention, the engine uses
+                context parallelism (no rank holds whole chunks), or generated tokens are
+                to be stored from KV that vLLM frees during decoding (R-SWA).
         """
-        _check_supported(vllm_config, kv_cache_config)
+        _check_supported(vllm_config, kv_cache_config, store_generated=store_generated)
         parallel = vllm_config.parallel_config
         return cls(
             tp_size=int(parallel.tensor_parallel_size),
@@ -106,7 +108,7 @@ class Topology:
         return paged, layout
 
 
-def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+def _check_supported(vllm_config: Any, kv_cache_config: Any, *, store_generated: bool) -> None:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     if len(groups) > 1:
         raise ValueError(
@@ -120,6 +122,14 @@ def _check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         raise ValueError(
             f"KVTiersConnector needs full-attention KV, not {type(spec).__name__}; pass "
             "--disable-hybrid-kv-cache-manager"
+        )
+    rswa = getattr(kv_cache_interface, "RSWASpec", None)
+    if store_generated and rswa is not None and isinstance(spec, rswa):
+        # NOTE: R-SWA keeps every prompt token's KV but frees generated tokens' blocks
+        # that fall out of its window while decoding, so at the end they hold other KV.
+        raise ValueError(
+            "KVTiersConnector cannot store generated tokens of an R-SWA model (vLLM frees "
+            "their KV while decoding); set store_generated = false"
         )
     parallel = vllm_config.parallel_config
     for option in ("prefill_context_parallel_size", "decode_context_parallel_size"):

@@ -75,7 +75,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._settings = ConnectorSettings.from_extra(extra)
-        self._topology = Topology.of(vllm_config, kv_cache_config)
+        self._topology = Topology.of(
+            vllm_config, kv_cache_config, store_generated=self._settings.store_generated
+        )
         self._block_size = int(vllm_config.cache_config.block_size)
         self._chunk_size = chunk_size_for(self._block_size, self._settings.chunk_size)
         self._engine_id = str(self._kv_transfer_config.engine_id)

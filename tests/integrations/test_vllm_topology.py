@@ -24,7 +24,7 @@ _CHECK = textwrap.dedent(
 
     import torch
     from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec,
+        FullAttentionSpec, KVCacheGroupSpec, RSWASpec, SlidingWindowSpec,
     )
 
     from kvtiers.integrations._vllm_topology import Topology
@@ -32,14 +32,17 @@ _CHECK = textwrap.dedent(
     dims = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     full = KVCacheGroupSpec(["layers.0.attn"], FullAttentionSpec(**dims))
     window = KVCacheGroupSpec(["layers.1.attn"], SlidingWindowSpec(**dims, sliding_window=64))
+    rswa = KVCacheGroupSpec(["layers.0.attn"], RSWASpec(**dims, rswa_window=64))
 
     def config(**parallel):
         fields = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0)
         return NS(parallel_config=NS(**{**fields, **parallel}))
 
-    def outcome(vllm_config, groups):
+    def outcome(vllm_config, groups, store_generated=False):
         try:
-            t = Topology.of(vllm_config, NS(kv_cache_groups=groups))
+            t = Topology.of(
+                vllm_config, NS(kv_cache_groups=groups), store_generated=store_generated
+            )
         except ValueError as exc:
             return {"error": str(exc)}
         return {"tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_rank, "ranks": t.num_ranks}
@@ -51,6 +54,9 @@ _CHECK = textwrap.dedent(
         "window": outcome(config(), [window]),
         "pcp": outcome(config(prefill_context_parallel_size=2), [full]),
         "dcp": outcome(config(decode_context_parallel_size=2), [full]),
+        "rswa_prompts": outcome(config(), [rswa]),
+        "rswa_generated": outcome(config(), [rswa], store_generated=True),
+        "full_generated": outcome(config(), [full], store_generated=True),
     }))
     """
 )
@@ -73,3 +79,6 @@ def test_full_attention_is_accepted_and_the_rest_refused_with_a_hint(vllm_python
     assert "SlidingWindowSpec" in got["window"]["error"]
     assert "prefill_context_parallel_size > 1" in got["pcp"]["error"]
     assert "decode_context_parallel_size > 1" in got["dcp"]["error"]
+    # R-SWA keeps the prompt's KV (stored), not generated tokens' out of its window.
+    assert got["rswa_prompts"]["ranks"] == 1 and got["full_generated"]["ranks"] == 1
+    assert "store_generated = false" in got["rswa_generated"]["error"]
