@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 
 from kvtiers.cache import TieredCache
 
-__all__ = ["CACHES", "CacheRegistry", "LoopThread", "SharedCache", "config_identity"]
+__all__ = ["CACHES", "CacheRegistry", "Lease", "LoopThread", "SharedCache", "config_identity"]
 
 logger = logging.getLogger("kvtiers.integrations")
 
@@ -46,6 +47,8 @@ class LoopThread:
 
     def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -75,10 +78,18 @@ class LoopThread:
         """Schedule `coro` on the loop; return a future for its result.
 
         Raises:
-            RuntimeError: the loop is closed (`coro` is closed, never left unawaited).
+            RuntimeError: the loop is stopped or closed (`coro` is closed, never left
+                unawaited).
         """
+        # NOTE: a stopping loop still accepts callbacks until it is closed, and one that
+        # arrives after its last turn is dropped: the caller would wait out its whole
+        # timeout. Under the lock a submission either lands before the stop (its task
+        # runs or is cancelled with the loop's other tasks) or is refused here.
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            with self._lock:
+                if self._stopping:
+                    raise RuntimeError("the loop is stopped")
+                return asyncio.run_coroutine_threadsafe(coro, self._loop)
         except BaseException:
             coro.close()
             raise
@@ -93,7 +104,10 @@ class LoopThread:
             return
         if threading.current_thread() is self._thread:
             raise RuntimeError("a LoopThread cannot stop itself from its own thread")
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
 
 
@@ -169,6 +183,40 @@ class CacheRegistry:
         """Return the cache the worker of `engine_id`, rank `rank`, uses in this process."""
         with self._lock:
             return self._engines.get((engine_id, rank))
+
+
+class Lease:
+    """One user's use of a `SharedCache`, released once: by `release` or with its owner.
+
+    An engine may drop an adapter without closing it (SGLang closes a storage backend on
+    detach, at best effort, and otherwise relies on garbage collection). When `owner` is
+    collected, the use is released on a short-lived thread of its own: the collector may
+    run in any thread, the cache's loop thread or one holding the registry's lock included,
+    and releasing there would wait on itself.
+
+    Args:
+        owner: the adapter object whose collection ends the use.
+        entry: the acquired cache.
+        registry: the registry `entry` came from.
+    """
+
+    def __init__(self, owner: object, entry: SharedCache, registry: CacheRegistry) -> None:
+        self.entry = entry
+        self._registry = registry
+        self._finalizer = weakref.finalize(owner, _release_later, registry, entry)
+        self._finalizer.atexit = False  # an exiting process keeps its old behaviour
+
+    def release(self) -> None:
+        """Release the use now, in this thread; a second call (or a racing one) is a no-op."""
+        # NOTE: `detach` hands the finalizer's arguments to one caller only.
+        if self._finalizer.detach() is not None:
+            self._registry.release(self.entry)
+
+
+def _release_later(registry: CacheRegistry, entry: SharedCache) -> None:
+    threading.Thread(
+        target=registry.release, args=(entry,), name="kvtiers-release", daemon=True
+    ).start()
 
 
 def config_identity(source: str | Mapping[str, Any]) -> Hashable:

@@ -36,7 +36,7 @@ from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
-from kvtiers.integrations._runtime import CACHES, SharedCache, config_identity
+from kvtiers.integrations._runtime import CACHES, Lease, SharedCache, config_identity
 from kvtiers.integrations._sglang_options import BackendOptions
 from kvtiers.integrations._sglang_pages import PageMap, layout_of
 
@@ -224,6 +224,7 @@ class ExtraPools:
         self._options = options
         self._run, self._fail, self._record = run, fail, record
         self._pools: dict[str, tuple[SharedCache, PoolPages]] = {}
+        self._leases: dict[str, Lease] = {}  # released by close, or with self
 
     def register(
         self, name: str, pool: Any, kv_layout: KVLayout, storage_config: Any
@@ -250,10 +251,11 @@ class ExtraPools:
                 )
         key = (config_identity(source if own is None else own), name, layout)
         entry = CACHES.acquire(key, lambda: TieredCache.from_config(config, layout=layout))
-        old = self._pools.get(name)
+        old = self._leases.get(name)
         self._pools[name] = (entry, pages)
+        self._leases[name] = Lease(self, entry, CACHES)
         if old is not None:
-            CACHES.release(old[0])
+            old.release()
         return entry.cache
 
     def _pages_of(
@@ -326,9 +328,10 @@ class ExtraPools:
 
     def close(self) -> None:
         """Release every pool's cache (the last user closes it); idempotent."""
-        pools, self._pools = self._pools, {}
-        for entry, _ in pools.values():
-            CACHES.release(entry)
+        leases, self._leases = self._leases, {}
+        self._pools = {}
+        for lease in leases.values():
+            lease.release()  # once, even when two threads close at once
 
 
 def fold_hits(

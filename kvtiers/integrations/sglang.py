@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Mapping
@@ -41,7 +42,7 @@ from kvtiers.cache import TieredCache
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.stats import CacheStats
-from kvtiers.integrations._runtime import CACHES, SharedCache, config_identity
+from kvtiers.integrations._runtime import CACHES, Lease, SharedCache, config_identity
 from kvtiers.integrations._sglang_options import BackendOptions, default_config
 from kvtiers.integrations._sglang_pages import PageMap, layout_of
 from kvtiers.integrations._sglang_pools import ExtraPools, PoolPages, fold_hits
@@ -76,6 +77,7 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self._source, self._salt, self._model = options.source, options.salt, options.model
         self._timeout = options.timeout
         self._entry: SharedCache | None = None
+        self._lease: Lease | None = None
         self._pages: dict[str, PageMap] = {}
         self._extras = ExtraPools(options, self._run, self._fail, self._record)
         self.failures: Counter[str] = Counter()
@@ -86,6 +88,10 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
             "prefetch_bandwidth": [],
             "backup_bandwidth": [],
         }
+        # NOTE: the backup and prefetch threads record while the scheduler takes the
+        # metrics (`get_stats`); without the lock a record between the copy and the clear
+        # is lost, and a call's pages and bandwidth can land in different snapshots.
+        self._metrics_lock = threading.Lock()
 
     # -- set-up --------------------------------------------------------------------
 
@@ -124,6 +130,7 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
                 (config_identity(source), layout),
                 lambda: TieredCache.from_config(source, layout=layout),
             )
+            self._lease = Lease(self, self._entry, CACHES)  # released by close, or with self
             logger.info(
                 "kvtiers: HiCache storage on %s (%s pages of %d tokens, %d bytes each)",
                 ", ".join(t.name for t in self._entry.cache.tiers),
@@ -136,11 +143,14 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self._pages[str(name)] = pages
 
     def close(self) -> None:
-        """Release the caches (the last user closes each); idempotent."""
+        """Release the caches (the last user closes each); idempotent, also when racing.
+
+        A backend dropped without `close` releases them when it is garbage-collected.
+        """
         self._extras.close()
-        entry, self._entry = self._entry, None
-        if entry is not None:
-            CACHES.release(entry)
+        lease, self._entry = self._lease, None
+        if lease is not None:
+            lease.release()  # once, even when two threads close at once
 
     @property
     def cache(self) -> TieredCache | None:
@@ -303,9 +313,10 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self, write: bool, num_pages: int, seconds: float, pages: PageMap | PoolPages
     ) -> None:
         kind = "backup" if write else "prefetch"
-        self._metrics[f"{kind}_pgs"].append(num_pages)
         gb = num_pages * pages.layout.chunk_bytes / 1e9
-        self._metrics[f"{kind}_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(num_pages)
+            self._metrics[f"{kind}_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
 
     # -- the generic path: flat page copies -----------------------------------------
 
@@ -380,9 +391,10 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
         metrics = StorageMetrics()
-        for name, values in self._metrics.items():
-            getattr(metrics, name).extend(values)
-            values.clear()
+        with self._metrics_lock:
+            for name, values in self._metrics.items():
+                getattr(metrics, name).extend(values)
+                values.clear()
         return metrics
 
     def kvtiers_stats(self) -> CacheStats | None:
