@@ -363,7 +363,11 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
             return False
         if not self.storage_config.is_storage_writer:
             return True
-        data = [v.contiguous() for v in values]
+        try:
+            data = [v.contiguous() for v in values]
+        except Exception as exc:  # not tensors: a miss, never an exception into SGLang
+            self._fail("batch_set", exc)
+            return False
 
         async def go(cache: TieredCache) -> list[bool]:
             views = [pages.flat(v) for v in data]

@@ -290,6 +290,7 @@ def faults(workdir: Path) -> dict[str, Any]:
     # too few host indices, a wrong target size: False, nothing raised
     out["short_indices"] = backend.batch_get_v1(keys, slots(host, 0, 2))
     out["bad_target"] = backend.batch_get(keys[:1], [torch.zeros(3)])
+    out["set_not_tensors"] = backend.batch_set(keys[:2], [None, "page"])
     backend.close()  # write-through copies reach the remote pool
     # garbage written over every stored object in the remote pool: misses, never served
     pool = workdir / "pool"

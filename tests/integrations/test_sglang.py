@@ -88,6 +88,7 @@ def test_failures_are_misses_never_exceptions(sglang_python, tmp_path):
     assert out["set"] == [True] * 4
     assert out["short_indices"] == [False] * 4
     assert out["bad_target"] == [None]
+    assert out["set_not_tensors"] is False
     assert out["objects_corrupted"] == 4
     assert out["get_corrupt"] == [False] * 4  # garbage is never served
     assert out["exists_after"] == 0
