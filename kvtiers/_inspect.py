@@ -23,12 +23,21 @@ from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers import _layout_record as layout_record
+from kvtiers.tiers._files import FILE_MODE
 
 if TYPE_CHECKING:
     from kvtiers.tiers._remote_admin import Namespace as PoolNamespace
     from kvtiers.tiers._remote_io import ObjectStore
 
-__all__ = ["BadEntry", "Inspection", "Namespace", "format_text", "inspect", "to_json"]
+__all__ = [
+    "BadEntry",
+    "Inspection",
+    "Namespace",
+    "format_text",
+    "inspect",
+    "open_lmdb",
+    "to_json",
+]
 
 _UNREADABLE = "?"  # the namespace of values whose header cannot be parsed
 
@@ -120,10 +129,7 @@ def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
         raise ConfigError(f"{path}: not an LMDB environment (no data.mdb); give a path or a URL")
     result = Inspection("lmdb", str(path), verified=verify)
     groups: dict[str, Namespace] = {}
-    try:
-        env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False, subdir=True)
-    except lmdb.Error as exc:  # e.g. MDB_INVALID: data.mdb is no LMDB file
-        raise TierIOError(f"{path}: cannot open the LMDB environment: {exc}") from exc
+    env = open_lmdb(path, readonly=True)
     try:
         chunks = env.open_db(b"chunks", create=False)
         with env.begin(db=chunks, buffers=True) as txn:
@@ -144,9 +150,9 @@ def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
                     group = groups.setdefault(fingerprint, Namespace(fingerprint))
                     group.entries += 1
                     group.bytes += len(raw)
-        for fingerprint, fields in _lmdb_layouts(env).items():
-            if fingerprint in groups:
-                groups[fingerprint].layout = fields
+            for fingerprint, fields in _lmdb_layouts(env, txn).items():
+                if fingerprint in groups:
+                    groups[fingerprint].layout = fields
     except lmdb.Error as exc:
         raise ConfigError(f"{path}: cannot read the LMDB environment: {exc}") from exc
     finally:
@@ -155,19 +161,51 @@ def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
     return result
 
 
-def _lmdb_layouts(env: Any) -> dict[str, dict[str, Any]]:
-    """Return the layout records of an environment by fingerprint (hex)."""
+def open_lmdb(path: Path, *, readonly: bool) -> Any:
+    """Open the LMDB environment at `path` beside the caches that may be using it.
+
+    Raises:
+        TierIOError: it cannot be opened (e.g. its data.mdb is no LMDB file).
+    """
+    import lmdb
+
+    # NOTE: lock=True enters each read transaction in lock.mdb's reader table, so caches
+    # writing the path keep the pages of its snapshot; unlocked, they reused them mid-read
+    # and inspect counted and verified garbage (every entry "corrupt"). A folder without a
+    # lock.mdb is open in no process (each one creates it): read it without, creating none.
+    lock = not readonly or (path / "lock.mdb").exists()
+    try:
+        # NOTE: map_size=0 maps the size the caches recorded. py-lmdb's default (10 MiB,
+        # raised only to the pages in use) left no room to copy pages on write, so a purge
+        # of a larger store failed with MDB_MAP_FULL.
+        return lmdb.open(
+            str(path),
+            max_dbs=4,
+            subdir=True,
+            readonly=readonly,
+            lock=lock,
+            create=False,
+            map_size=0,
+            mode=FILE_MODE,
+        )
+    except lmdb.Error as exc:  # e.g. MDB_INVALID: data.mdb is no LMDB file
+        raise TierIOError(f"{path}: cannot open the LMDB environment: {exc}") from exc
+
+
+def _lmdb_layouts(env: Any, txn: Any) -> dict[str, dict[str, Any]]:
+    """Return the layout records of an environment by fingerprint (hex), as of `txn`."""
     import lmdb
 
     try:
-        meta = env.open_db(b"meta", create=False)
+        meta = env.open_db(b"meta", txn=txn, create=False)
     except lmdb.NotFoundError:  # an environment no kvtiers tier opened
         return {}
     found: dict[str, dict[str, Any]] = {}
     prefix = layout_record.LMDB_PREFIX
-    with env.begin(db=meta) as txn, txn.cursor() as cursor:
+    with txn.cursor(db=meta) as cursor:
         if cursor.set_range(prefix):
-            for key, raw in cursor:
+            for raw_key, raw in cursor:
+                key = bytes(raw_key)  # `txn` returns buffers
                 if not key.startswith(prefix):
                     break
                 fields = layout_record.decode(raw)

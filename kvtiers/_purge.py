@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtiers._inspect import inspect
+from kvtiers._inspect import inspect, open_lmdb
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers import _chunk_format as fmt
 
@@ -101,10 +101,7 @@ def _purge_lmdb(path: Path, fingerprint: str | None, report: PurgeReport) -> Non
 
     from kvtiers.tiers import _lmdb_format as lfmt
 
-    try:
-        env = lmdb.open(str(path), max_dbs=4, subdir=True, lock=True, create=False)
-    except lmdb.Error as exc:
-        raise TierIOError(f"{path}: cannot open the LMDB environment: {exc}") from exc
+    env = open_lmdb(path, readonly=False)
     try:
         dbs = lfmt.open_databases(env)
         with env.begin(write=not report.dry_run, buffers=True) as txn:
