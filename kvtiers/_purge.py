@@ -4,11 +4,12 @@ Takes what `kvtiers inspect` shows: the entries of one layout fingerprint (`--fi
 a hex prefix of it is enough when it names one layout), or with `--bad` every entry that
 fails its checks (`inspect --verify`). Works on an LMDB path (in one write transaction
 that keeps the tier's sizes and recency consistent, so running caches may stay up) and on
-a remote URL (the layout's folder). Everything else is left as it was.
+a remote URL (the layout's objects, one by one). Everything else is left as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,12 +61,11 @@ def purge(
     if fingerprint is not None:
         full = _resolve(fingerprint.strip().lower(), [ns.fingerprint for ns in found.namespaces])
     report = PurgeReport(target, full, dry_run=dry_run)
-    if "://" in target and older_than is not None:
-        assert full is not None
-        _purge_idle(target, full, older_than, report, storage_options or {})
+    if "://" in target and full is not None:
+        _purge_namespace(target, full, older_than, report, storage_options or {})
         report.kept += sum(ns.entries for ns in found.namespaces if ns.fingerprint != full)
     elif "://" in target:
-        _purge_remote(target, full, found, report, storage_options or {})
+        _purge_bad(target, found, report, storage_options or {})
     else:
         _purge_lmdb(Path(target), full, report)
     return report
@@ -135,43 +135,37 @@ def _selected(raw: Any, key: bytes, fingerprint: str | None) -> bool:
     return verdict is not fmt.Verdict.OK
 
 
-def _purge_remote(
-    url: str,
-    fingerprint: str | None,
-    found: Any,
-    report: PurgeReport,
-    storage_options: dict[str, Any],
-) -> None:
+def _purge_bad(url: str, found: Any, report: PurgeReport, storage_options: dict[str, Any]) -> None:
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(url, **storage_options)
-    root = root.rstrip("/")
+    fs, _ = fsspec.core.url_to_fs(url, **storage_options)
     # NOTE: object paths come from the listing `inspect` made through the same filesystem.
-    if fingerprint is not None:
-        group = next(ns for ns in found.namespaces if ns.fingerprint == fingerprint)
-        report.removed, report.removed_bytes = group.entries, group.bytes
-        report.kept = sum(ns.entries for ns in found.namespaces) - group.entries
-        paths = [f"{root}/{fingerprint}"]
-    else:
-        paths = [bad.path for bad in found.bad]
-        report.removed, report.removed_bytes = len(paths), sum(b.num_bytes for b in found.bad)
-        report.kept = found.checked - len(paths)
+    paths = [bad.path for bad in found.bad]
+    report.removed, report.removed_bytes = len(paths), sum(b.num_bytes for b in found.bad)
+    report.kept = found.checked - len(paths)
     if report.dry_run or not paths:
         return
     try:
         for path in paths:
-            fs.rm(path, recursive=fingerprint is not None)
+            # NOTE: a cache that read the object meanwhile found it bad and deleted it.
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(path)
     except (OSError, ValueError) as exc:
         raise TierIOError(f"{url}: purge failed: {exc}") from exc
 
 
-def _purge_idle(
+def _purge_namespace(
     url: str,
     fingerprint: str,
-    older_than: float,
+    older_than: float | None,
     report: PurgeReport,
     storage_options: dict[str, Any],
 ) -> None:
+    """Delete the layout's objects (those idle for `older_than` seconds, if given).
+
+    One object at a time, as `kvtiers remote purge` does: a recursive delete of the
+    layout's folder failed (ENOTEMPTY on file://) whenever a cache wrote into it meanwhile.
+    """
     import asyncio
 
     from kvtiers.core.config import TierConfig

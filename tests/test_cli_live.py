@@ -407,6 +407,37 @@ def write_toml(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
+def test_pool_commands_beside_a_live_remote_writer(tmp_path, capsys):
+    """Regression: `purge URL --fingerprint F` removed the layout's folder recursively,
+    which failed (ENOTEMPTY) whenever the live cache wrote a chunk into it meanwhile."""
+    config = remote_config(tmp_path)
+    url, fp = config["tiers"][1]["url"], fingerprint()
+    toml = str(write_toml(tmp_path / "tiers.toml", config))
+    with live_cache(tmp_path, config) as live:
+        live.run_on(50)
+        for _ in range(8):
+            code, doc = cli_json(capsys, "inspect", url, "--verify")
+            assert (code, doc["bad"]) == (0, []), doc
+            assert [ns["fingerprint"] for ns in doc["namespaces"]] in ([], [fp])
+            assert main(["remote", "ls", toml]) == 0
+            assert "this layout" in capsys.readouterr().out
+            assert cli_json(capsys, "purge", url, "--bad")[0] == 0
+            live.run_on(10)
+            code, doc = cli_json(capsys, "purge", url, "--fingerprint", fp[:8])
+            assert code == 0 and doc["fingerprint"] == fp, doc
+            live.run_on(10)
+            assert main(["remote", "purge", toml, "--all"]) == 0
+            assert "deleted" in capsys.readouterr().out
+            live.run_on(10)
+        stores = live.status()["stores"]
+        assert live.run_on(100)["stores"] > stores
+        status = live.stop()
+    assert status["loads"] > 0 and status["tiers"]["remote"]["corrupt"] == 0
+    code, doc = cli_json(capsys, "inspect", url, "--verify")
+    assert code == 0 and doc["bad"] == []
+    assert asyncio.run(check_loads(config)) > 0
+
+
 def test_bench_beside_a_live_cache_leaves_it_serving(tmp_path, capsys):
     config = lmdb_config(tmp_path)
     config["tiers"] = [{"kind": "dram", "capacity": 8 * 2048}, *config["tiers"]]
