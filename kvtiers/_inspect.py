@@ -9,6 +9,7 @@ named by the layout record its writers left (see `tiers/_layout_record`), where 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Iterator
@@ -178,7 +179,7 @@ def open_lmdb(path: Path, *, readonly: bool) -> Any:
         # NOTE: map_size=0 maps the size the caches recorded. py-lmdb's default (10 MiB,
         # raised only to the pages in use) left no room to copy pages on write, so a purge
         # of a larger store failed with MDB_MAP_FULL.
-        return lmdb.open(
+        env = lmdb.open(
             str(path),
             max_dbs=4,
             subdir=True,
@@ -190,6 +191,12 @@ def open_lmdb(path: Path, *, readonly: bool) -> Any:
         )
     except lmdb.Error as exc:  # e.g. MDB_INVALID: data.mdb is no LMDB file
         raise TierIOError(f"{path}: cannot open the LMDB environment: {exc}") from exc
+    if lock:
+        # NOTE: a reader killed mid-read (an inspect, a cache) keeps its slot, and its
+        # snapshot's pages stay pinned: the caches' writes then only grow the file.
+        with contextlib.suppress(lmdb.Error):
+            env.reader_check()
+    return env
 
 
 def _lmdb_layouts(env: Any, txn: Any) -> dict[str, dict[str, Any]]:

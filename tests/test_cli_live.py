@@ -328,6 +328,33 @@ def test_inspect_and_a_dry_run_leave_a_live_lmdb_path_as_it_was(tmp_path, capsys
         live.stop()
 
 
+def test_an_inspect_killed_mid_read_leaves_no_reader_behind(tmp_path, capsys):
+    """Under the reader lock, an inspect killed mid-read leaves its slot, which pins its
+    snapshot: the live writer's pages are never reused and data.mdb only grows. The next
+    inspect (or a cache opening the path) frees the slots of dead processes."""
+    path, control = tmp_path / "lmdb", tmp_path / "inspector"
+    control.mkdir()
+    with live_cache(tmp_path, lmdb_config(tmp_path)) as live:
+        live.run_on(50)
+        argv = json.dumps(["inspect", str(path), "--verify", "--json"])
+        inspector = subprocess.Popen(
+            [sys.executable, "-c", HELD_INSPECT, argv, str(control), "1"],
+            stdout=subprocess.DEVNULL,
+        )
+        wait_for("inspect to read", lambda: (control / "held0").exists())
+        inspector.kill()
+        inspector.wait()
+        code, doc = cli_json(capsys, "inspect", str(path))
+        assert code == 0 and doc["namespaces"]
+        env = lmdb.open(str(path), max_dbs=4, readonly=True, map_size=0)
+        try:
+            slots = env.readers().splitlines()[1:]
+        finally:
+            env.close()
+        assert all(line.split()[0] == str(live.proc.pid) for line in slots), slots
+        live.stop()
+
+
 # -- purge ---------------------------------------------------------------------------------
 
 

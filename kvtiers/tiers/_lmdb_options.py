@@ -128,6 +128,9 @@ def open_env(
         make_private_dirs(path)
         fresh = not os.path.exists(data)
         env = _open_lmdb(options, map_size)
+        # NOTE: free the reader slots of processes that died mid-read (a killed cache or
+        # `kvtiers inspect`): each pins its snapshot's pages, and writes only grow the file.
+        env.reader_check()
         check_length(env, data)
         if options.writemap:  # before any write into the map
             try:
