@@ -30,12 +30,15 @@ LAYOUTS = [
 ]
 
 
-def run(python: Path, *args: str) -> dict[str, Any]:
+def run(
+    python: Path, *args: str, script: str = "sglang_scenarios.py", timeout: float = 300
+) -> dict[str, Any]:
+    """Run a scenario of `script` with SGLang's python; return the result it printed."""
     proc = subprocess.run(
-        [str(python), str(HERE / "sglang_scenarios.py"), *args],
+        [str(python), str(HERE / script), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,  # a hang guard
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

@@ -10,8 +10,6 @@ its traceback, and the threads and caches left behind are counted.
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvtiers.integrations._runtime import LoopThread
-from tests.integrations.conftest import HERE
+from tests.integrations.test_sglang import run as run_scenario
 
 CONFIGS = [
     ("mha", "layer_first", "lmdb"),
@@ -30,16 +28,7 @@ CONFIGS = [
 
 
 def run(python: Path, *args: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [str(python), str(HERE / "sglang_concurrency_scenarios.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    return result
+    return run_scenario(python, *args, script="sglang_concurrency_scenarios.py", timeout=600)
 
 
 @pytest.fixture(scope="module")
