@@ -242,6 +242,16 @@ def digest(path: Path) -> tuple[int, str]:
     return path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def assert_only_reader(path: Path, pid: int) -> None:
+    """Assert that LMDB's reader table at `path` lists process `pid` only."""
+    env = lmdb.open(str(path), max_dbs=4, readonly=True, map_size=0)
+    try:
+        slots = env.readers().splitlines()[1:]
+    finally:
+        env.close()
+    assert all(line.split()[0] == str(pid) for line in slots), slots
+
+
 async def check_loads(config: dict[str, Any]) -> int:
     """Load every live prompt in a fresh cache; return the tokens found, each bit-exact."""
     layout = KVLayout(**config["layout"])
@@ -316,13 +326,7 @@ def test_inspect_and_a_dry_run_leave_a_live_lmdb_path_as_it_was(tmp_path, capsys
             )
             assert done.returncode == 0 and json.loads(done.stdout)["removed"] > 0, done.stderr
             assert digest(path / "data.mdb") == before
-            env = lmdb.open(str(path), max_dbs=4, readonly=True, map_size=0)
-            try:
-                # the table lists the live process only: the commands' slots are gone
-                slots = env.readers().splitlines()[1:]
-            finally:
-                env.close()
-            assert all(line.split()[0] == str(live.proc.pid) for line in slots), slots
+            assert_only_reader(path, live.proc.pid)  # the commands' slots are gone
         stores = live.status()["stores"]
         assert live.run_on(100)["stores"] > stores  # its writes go on: no lock was left
         live.stop()
@@ -346,12 +350,7 @@ def test_an_inspect_killed_mid_read_leaves_no_reader_behind(tmp_path, capsys):
         inspector.wait()
         code, doc = cli_json(capsys, "inspect", str(path))
         assert code == 0 and doc["namespaces"]
-        env = lmdb.open(str(path), max_dbs=4, readonly=True, map_size=0)
-        try:
-            slots = env.readers().splitlines()[1:]
-        finally:
-            env.close()
-        assert all(line.split()[0] == str(live.proc.pid) for line in slots), slots
+        assert_only_reader(path, live.proc.pid)
         live.stop()
 
 
