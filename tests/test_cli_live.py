@@ -369,10 +369,18 @@ def test_purge_beside_a_live_lmdb_writer(tmp_path, capsys):
         live.run_on(50)
         code, doc = cli_json(capsys, "purge", path, "--fingerprint", fingerprint(model="old-model"))
         assert (code, doc["removed"]) == (0, 8)
+
+        purged = 0
         for _ in range(30):
             live.run_on(10)
-            code, doc = cli_json(capsys, "purge", path, "--fingerprint", fingerprint()[:6])
+            code = main(["purge", path, "--fingerprint", fingerprint()[:6], "--json"])
+            out = capsys.readouterr()
+            if code == 2 and "the store holds none" in out.err:
+                continue  # none of its chunks reached the path since the last purge
+            doc = json.loads(out.out)
             assert code == 0 and doc["removed"] + doc["kept"] <= 60, doc
+            purged += 1
+        assert purged > 0
         stores = live.status()["stores"]
         assert live.run_on(100)["stores"] > stores  # misses, then stores again
         status = live.stop()

@@ -273,15 +273,22 @@ def faults(workdir: Path, kind: str, layout: str, tier: str) -> dict[str, Any]:
     backend._entry.loop.run(backend.cache.flush())
     callers = calls.threads("sggGe")
     time.sleep(0.5)
-    corrupted = []
+    corrupted, alive = [], 0
     if tier == "remote":
         _break_remote(workdir)
     else:
         for _ in range(3):
+            # NOTE: the values rot between reads, with the callers paused: bytes written
+            # into data.mdb by hand during a read could change between the read's checksum
+            # and its copy, which LMDB's own writers never do (a reader's pages are kept).
+            calls.stop.set()
+            alive += joined(callers)
+            calls.stop.clear()
             corrupted.append(_corrupt_lmdb(workdir, backend, calls.keys))
+            callers = calls.threads("sggGe")
             time.sleep(0.3)
     calls.stop.set()
-    alive = joined(callers)
+    alive += joined(callers)
     stats = backend.kvtiers_stats()
     backend.close()
     return {

@@ -230,7 +230,9 @@ def test_mla_latents_are_stored_reloaded_and_attended_to(vllm_python, tiny_deeps
     # TP 2 ranks share one namespace, which a second TP 2 engine reuses.
     tp2 = result_of(start(vllm_python, tiny_deepseek, tmp_path, "mla-tp2"))
     assert tp2["first"][0]["cached"] == 0
-    assert tokens(tp2["first"]) == tokens(tp2["baseline"])
+    # Its first prompt is computed whole (exact); the others load what it stored.
+    assert tokens(tp2["first"][:1]) == tokens(tp2["baseline"][:1])
+    assert max(first_token_gap(tp2["first"], tp2["baseline"])) <= BF16_NOISE
     assert all(o["cached"] >= PREFIX for o in tp2["reused"])
     assert max(first_token_gap(tp2["reused"], tp2["baseline"])) <= BF16_NOISE
     shapes = sorted((ns["layout"]["tp_rank"], ns["layout"]["tp_size"]) for ns in tp2["layouts"])
