@@ -236,13 +236,14 @@ class ObjectStore:
             One item per range, `bytes` or the exception that range raised; `None` if the
             object does not exist.
         """
-        paths = [path] * len(ranges)
         starts, ends = [r[0] for r in ranges], [r[1] for r in ranges]
         try:
             parts: list[Any] = await (
                 self._request(read_ranges, path, ranges)
                 if self.local
-                else self._request("cat_ranges", paths, starts, ends, on_error="return")
+                else self._request(
+                    "cat_ranges", [path] * len(ranges), starts, ends, on_error="return"
+                )
             )
         except FileNotFoundError:
             return None
