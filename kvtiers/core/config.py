@@ -10,14 +10,15 @@ import dataclasses
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from kvtiers.core.checks import is_int
+from kvtiers.core.checks import MAX_BYTES, MAX_DIM, check_int, describe, is_int
+from kvtiers.core.config_files import read_config_file
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 
@@ -50,40 +51,55 @@ _UNITS = {
     "g": 2**30,
     "t": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# NOTE: ASCII only: `\d` would take other scripts' digits ("١٦GiB") and `\s` a no-break space.
+_SIZE_RE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$", re.ASCII)
+_MAX_DECIMALS = 20  # below a byte of any unit; more is a typo, not a size
 
 # Keys every tier takes; the rest go to the tier kind's own options, which the tier validates.
 _COMMON_TIER_KEYS = frozenset({"kind", "name", "capacity", "eviction", "write_policy"})
 
-
-_MAX_SIZE = 2**60  # 1 EiB: no tier holds more, and more overflows C sizes downstream
+_MAX_KEY_SHOWN = 60  # characters of an unknown key that a message shows as it is
 
 
 def parse_size(value: object, *, where: str) -> int:
     """Return a byte count from an int or a string such as `"16GiB"` or `"512 MB"`.
 
+    A fraction is exact (`"0.1KB"` is 100 bytes); a fraction of a byte is dropped.
+
     Raises:
-        ConfigError: the value is not a non-negative size.
+        ConfigError: the value is not a size from 0 to 1 EiB; `True` and floats are not.
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a size such as '16GiB', got {value!r}")
     size = None
-    if isinstance(value, int):
+    if is_int(value):
         if value < 0:
-            raise ConfigError(f"{where}: expected a non-negative size, got {value}")
+            raise ConfigError(f"{where}: expected a non-negative size, got {describe(value)}")
         size = value
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            size = int(number) if math.isfinite(number) else _MAX_SIZE + 1
-    if size is not None:
-        if size > _MAX_SIZE:
-            raise ConfigError(f"{where}: {value!r:.40} is more than 1 EiB")
-        return size
-    raise ConfigError(
-        f"{where}: expected a size such as '16GiB', '512MB' or a byte count, got {value!r}"
-    )
+    elif isinstance(value, str) and (match := _SIZE_RE.match(value)):
+        size = _size_of(*match.groups(), where=where)
+    if size is None:
+        raise ConfigError(
+            f"{where}: expected a size such as '16GiB', '512MB' or a byte count, "
+            f"got {describe(value)}"
+        )
+    if size > MAX_BYTES:
+        raise ConfigError(f"{where}: {describe(value, 40)} is more than 1 EiB")
+    return size
+
+
+def _size_of(whole: str, decimals: str | None, unit: str, *, where: str) -> int | None:
+    """Return the bytes of a matched size, exactly; `None` for an unknown unit."""
+    scale = _UNITS.get(unit.lower())
+    if scale is None:
+        return None
+    # NOTE: exact arithmetic: a float turns "1152921504606846975" into 2**60.
+    whole = whole.lstrip("0") or "0"
+    decimals = (decimals or "").rstrip("0")
+    if len(whole) > len(str(MAX_BYTES)):  # also keeps int() within its digit limit
+        return MAX_BYTES + 1
+    if len(decimals) > _MAX_DECIMALS:
+        raise ConfigError(f"{where}: more than {_MAX_DECIMALS} decimals in a size")
+    number = Fraction(int(whole + decimals), 10 ** len(decimals))
+    return math.floor(number * scale)
 
 
 def format_size(num_bytes: float) -> str:
@@ -112,7 +128,42 @@ class TierConfig:
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Kind-specific keys (`path`, `url`, `device`, ...), validated by the tier itself."""
     index: int = 0
-    """Position in the cascade, for error messages."""
+    """Position in the cascade, for error messages (`CacheConfig` numbers its tiers)."""
+
+    def __post_init__(self) -> None:
+        if not is_int(self.index) or self.index < 0:
+            raise ConfigError(
+                f"tiers[?].index: expected an integer >= 0, got {describe(self.index)}"
+            )
+        where = self.where
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ConfigError(
+                f"{where}.kind: required; expected a tier kind such as 'dram', "
+                f"got {describe(self.kind)}"
+            )
+        # NOTE: 0 is allowed here (a tier refuses a capacity below one chunk itself); a
+        # loaded config's capacity is > 0.
+        if not is_int(self.capacity_bytes) or not 0 <= self.capacity_bytes <= MAX_BYTES:
+            raise ConfigError(
+                f"{where}.capacity: expected a byte count from 0 to 2**60, "
+                f"got {describe(self.capacity_bytes)}"
+            )
+        if not isinstance(self.name, str):
+            raise ConfigError(f"{where}.name: expected a string, got {describe(self.name)}")
+        if not isinstance(self.eviction, str):
+            raise ConfigError(
+                f"{where}.eviction: expected a policy name such as 'lru' or 'arc', "
+                f"got {describe(self.eviction)}"
+            )
+        if not isinstance(self.write_policy, str) or self.write_policy not in _WRITE_POLICIES:
+            raise ConfigError(
+                f"{where}.write_policy: expected 'write_through' or 'write_back', "
+                f"got {describe(self.write_policy)}"
+            )
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"{where}.options: expected a table, got {describe(self.options)}")
+        # A read-only copy: the caller's dict may change after this.
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
 
     @property
     def where(self) -> str:
@@ -128,6 +179,14 @@ class MetricsConfig:
     """TCP port of the HTTP endpoint; 0 picks a free one (`TieredCache.metrics_url`)."""
     host: str = "127.0.0.1"
     """Address to listen on; `0.0.0.0` exposes it beyond this machine."""
+
+    def __post_init__(self) -> None:
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ConfigError(
+                f"metrics.port: expected a TCP port 0-65535, got {describe(self.port)}"
+            )
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"metrics.host: expected an address, got {describe(self.host)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,16 +207,58 @@ class CacheConfig:
     """A load split between lower tiers asks them all at once; `False`, one after another
     (for a client on few cores next to a store that competes for them)."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", _numbered(self.tiers))
+        if self.layout is not None and not isinstance(self.layout, KVLayout):
+            raise ConfigError(f"layout: expected a KVLayout or None, got {describe(self.layout)}")
+        check_int("write_queue_chunks", self.write_queue_chunks, 1, MAX_DIM)
+        events = self.events
+        if not is_int(events) or not 0 <= events < 2**31:
+            raise ConfigError(
+                f"events: expected an integer in [0, 2**31) (the event queue's capacity; 0 is "
+                f"off), got {describe(events)}"
+            )
+        if self.metrics is not None and not isinstance(self.metrics, MetricsConfig):
+            raise ConfigError(
+                f"metrics: expected a MetricsConfig or None, got {describe(self.metrics)}"
+            )
+        if not isinstance(self.concurrent_reads, bool):
+            raise ConfigError(
+                f"concurrent_reads: expected true or false, got {describe(self.concurrent_reads)}"
+            )
+
     def with_layout(self, layout: KVLayout) -> CacheConfig:
         """Return a copy of this config with `layout` set."""
         return dataclasses.replace(self, layout=layout)
+
+
+def _numbered(tiers: object) -> tuple[TierConfig, ...]:
+    """Return `tiers` as a tuple, each tier's index its position; names must differ."""
+    if not isinstance(tiers, tuple | list) or not tiers:
+        raise ConfigError(f"tiers: expected a non-empty list of tier tables, got {describe(tiers)}")
+    out: list[TierConfig] = []
+    names: set[str] = set()
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, TierConfig):
+            raise ConfigError(f"tiers[{i}]: expected a TierConfig, got {describe(tier)}")
+        tier = tier if tier.index == i else dataclasses.replace(tier, index=i)
+        name = tier.name or tier.kind  # a tier's default name is its kind
+        if name in names:
+            raise ConfigError(
+                f"tiers[{i}].name: {describe(name)} is used twice; two tiers of one kind "
+                "need distinct names"
+            )
+        names.add(name)
+        out.append(tier)
+    return tuple(out)
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> CacheConfig:
     """Load and validate a config from a TOML or YAML file, or a dict.
 
     Raises:
-        ConfigError: the file cannot be read or parsed, or a field is invalid.
+        ConfigError: the file cannot be read or parsed, or a field is invalid; the message
+            starts with the field's path and, for a file, ends with `(in PATH)`.
     """
     if isinstance(source, Mapping):
         return _parse(source)
@@ -169,125 +270,84 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> CacheConf
     try:
         path = Path(source)
     except TypeError as exc:  # a PathLike of bytes
-        raise ConfigError(f"config: expected a text path, got {source!r:.60}") from exc
-    return _parse(_read_file(path))
+        raise ConfigError(f"config: expected a text path, got {describe(source)}") from exc
+    data = read_config_file(path)
+    try:
+        return _parse(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (in {path})") from exc
 
 
-def _read_file(path: Path) -> Mapping[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config: cannot read {path}: not UTF-8 ({exc})") from exc
-    except ValueError as exc:  # a NUL byte in the path
-        raise ConfigError(f"config: cannot read {str(path)!r:.200}: {exc}") from exc
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError as exc:
-                raise ConfigError("config: YAML needs PyYAML; install kvtiers[yaml]") from exc
-            data = yaml.safe_load(text)
-        elif suffix in (".toml", ""):
-            data = tomllib.loads(text)
-        else:
-            raise ConfigError(f"config: {path.name}: expected a .toml, .yaml or .yml file")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"config: cannot parse {path}: {exc}") from exc
-    except Exception as exc:  # yaml.YAMLError has no common base we can import lazily
-        raise ConfigError(f"config: cannot parse {path}: {exc}") from exc
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config: {path} must hold a table at the top level")
-    return data
+def _key(key: object) -> str:
+    """Return a config key as a message names it."""
+    return key if isinstance(key, str) and len(key) <= _MAX_KEY_SHOWN else describe(key)
 
 
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
     keys = {"layout", "tiers", "write_queue_chunks", "events", "metrics", "concurrent_reads"}
-    unknown = sorted(set(data) - keys, key=str)
+    unknown = sorted(map(_key, set(data) - keys))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key; expected {', '.join(sorted(keys))}")
     layout = None
     if "layout" in data:
         raw = data["layout"]
         if not isinstance(raw, Mapping):
-            raise ConfigError("layout: expected a table")
+            raise ConfigError(f"layout: expected a table, got {describe(raw)}")
         try:
             layout = KVLayout.from_dict(dict(raw))
         except TypeError as exc:
             raise ConfigError(f"layout: {exc}") from exc
     raw_tiers = data.get("tiers")
     if not isinstance(raw_tiers, list) or not raw_tiers:
-        raise ConfigError("tiers: expected a non-empty list of tier tables")
-    tiers = tuple(_parse_tier(i, raw) for i, raw in enumerate(raw_tiers))
-    names = [t.name for t in tiers]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise ConfigError(f"tiers[{i}].name: {name!r} is used twice")
-    depth = data.get("write_queue_chunks", 256)
-    if not is_int(depth) or depth < 1:
-        raise ConfigError(f"write_queue_chunks: expected an integer >= 1, got {depth!r}")
-    events = data.get("events", 0)
-    if not is_int(events) or not 0 <= events < 2**31:
         raise ConfigError(
-            f"events: expected an integer in [0, 2**31) (the event queue's capacity; 0 is off), "
-            f"got {events!r}"
+            f"tiers: expected a non-empty list of tier tables, got {describe(raw_tiers)}"
         )
+    tiers = tuple(_parse_tier(i, raw) for i, raw in enumerate(raw_tiers))
     metrics = _parse_metrics(data["metrics"]) if "metrics" in data else None
-    concurrent = data.get("concurrent_reads", True)
-    if not isinstance(concurrent, bool):
-        raise ConfigError(f"concurrent_reads: expected true or false, got {concurrent!r}")
-    return CacheConfig(tiers, layout, depth, events, metrics, concurrent)
+    return CacheConfig(
+        tiers,
+        layout,
+        write_queue_chunks=data.get("write_queue_chunks", 256),
+        events=data.get("events", 0),
+        metrics=metrics,
+        concurrent_reads=data.get("concurrent_reads", True),
+    )
 
 
 def _parse_metrics(raw: object) -> MetricsConfig:
     if not isinstance(raw, Mapping):
-        raise ConfigError("metrics: expected a table with a port")
-    unknown = sorted(set(raw) - {"port", "host"}, key=str)
+        raise ConfigError(f"metrics: expected a table with a port, got {describe(raw)}")
+    unknown = sorted(map(_key, set(raw) - {"port", "host"}))
     if unknown:
         raise ConfigError(f"metrics.{unknown[0]}: unknown key; expected port, host")
-    port = raw.get("port")
-    if not is_int(port) or not 0 <= port <= 65535:
-        raise ConfigError(f"metrics.port: expected a TCP port 0-65535, got {port!r}")
-    host = raw.get("host", "127.0.0.1")
-    if not isinstance(host, str) or not host:
-        raise ConfigError(f"metrics.host: expected an address, got {host!r}")
-    return MetricsConfig(port, host)
+    if "port" not in raw:
+        raise ConfigError("metrics.port: required; expected a TCP port 0-65535")
+    return MetricsConfig(raw["port"], raw.get("host", "127.0.0.1"))
 
 
 def _parse_tier(i: int, raw: object) -> TierConfig:
     where = f"tiers[{i}]"
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a table")
+        raise ConfigError(f"{where}: expected a table, got {describe(raw)}")
     kind = raw.get("kind")
     if not isinstance(kind, str) or not kind:
-        raise ConfigError(f"{where}.kind: required; expected a tier kind such as 'dram'")
+        raise ConfigError(
+            f"{where}.kind: required; expected a tier kind such as 'dram', got {describe(kind)}"
+        )
     if "capacity" not in raw:
         raise ConfigError(f"{where}.capacity: required; expected a size such as '16GiB'")
     capacity = parse_size(raw["capacity"], where=f"{where}.capacity")
     if capacity <= 0:
         raise ConfigError(f"{where}.capacity: must be greater than zero")
-    eviction = raw.get("eviction", "lru")
-    if not isinstance(eviction, str):
-        raise ConfigError(f"{where}.eviction: expected a policy name such as 'lru' or 'arc'")
-    write_policy = raw.get("write_policy", "write_through")
-    if write_policy not in _WRITE_POLICIES:
-        raise ConfigError(
-            f"{where}.write_policy: expected 'write_through' or 'write_back', got {write_policy!r}"
-        )
     name = raw.get("name", kind)
     if not isinstance(name, str) or not name:
-        raise ConfigError(f"{where}.name: expected a non-empty string")
-    options = {k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS}
+        raise ConfigError(f"{where}.name: expected a non-empty string, got {describe(name)}")
     return TierConfig(
         kind=kind,
         capacity_bytes=capacity,
         name=name,
-        eviction=eviction,
-        write_policy=write_policy,
-        options=MappingProxyType(options),
+        eviction=raw.get("eviction", "lru"),
+        write_policy=raw.get("write_policy", "write_through"),
+        options={k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS},
         index=i,
     )

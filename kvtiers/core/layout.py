@@ -8,7 +8,7 @@ from typing import Any, Literal
 import msgpack
 import xxhash
 
-from kvtiers.core.checks import check_int
+from kvtiers.core.checks import MAX_BYTES, check_int, describe
 from kvtiers.core.errors import ConfigError
 
 __all__ = ["DTYPE_SIZES", "PAYLOAD_ORDER", "KVLayout"]
@@ -72,21 +72,28 @@ class KVLayout:
             )
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise ConfigError(
-                f"layout.dtype: {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}"
+                f"layout.dtype: {describe(self.dtype)} is not one of {', '.join(DTYPE_SIZES)}"
             )
-        if self.kind not in ("mha", "mla"):
-            raise ConfigError(f"layout.kind: {self.kind!r} is not 'mha' or 'mla'")
+        if not isinstance(self.kind, str) or self.kind not in ("mha", "mla"):
+            raise ConfigError(f"layout.kind: {describe(self.kind)} is not 'mha' or 'mla'")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise ConfigError("layout.num_kv_heads: must be 1 for kind 'mla'")
+        # NOTE: each dimension fits 32 bits, their product may not fit 64 (the fingerprint
+        # packs it); no tier holds a chunk past 1 EiB anyway.
+        if self.chunk_bytes > MAX_BYTES:
+            raise ConfigError(
+                f"layout.chunk_size: a chunk of {self.chunk_size} tokens would be "
+                f"{self.chunk_bytes:,} bytes ({self.bytes_per_token:,} per token), more than 1 EiB"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "layout") -> KVLayout:
         """Build a layout from plain config values, naming any unknown key."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known, key=str)
+        unknown = sorted(k if isinstance(k, str) else describe(k) for k in set(data) - known)
         if unknown:
             raise ConfigError(
-                f"{where}.{unknown[0]}: unknown key; expected one of {', '.join(sorted(known))}"
+                f"{where}.{unknown[0]:.60}: unknown key; expected one of {', '.join(sorted(known))}"
             )
         missing = [n for n in ("model", "num_layers", "num_kv_heads", "head_size") if n not in data]
         if missing:
@@ -155,4 +162,4 @@ class KVLayout:
 
 def _check_str(name: str, value: object, *, allow_empty: bool) -> None:
     if not isinstance(value, str) or (not allow_empty and not value):
-        raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
+        raise ConfigError(f"{name}: expected a non-empty string, got {describe(value)}")
