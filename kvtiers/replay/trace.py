@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvtiers.core.checks import MAX_DIM, describe, is_int
 from kvtiers.core.errors import InvalidInputError, TokenError
 from kvtiers.core.keys import ChunkHasher, ChunkKey
 
@@ -48,6 +49,8 @@ _MAX_COUNT = 2**53
 _MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 # NOTE: token traces are keyed under a fixed fingerprint: only equality of keys matters here.
 _TOKEN_FINGERPRINT = b"kvtiers.replay.tokens"
+# The first bytes of compressed files, which would otherwise read as "not UTF-8".
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ": "xz", b"BZh": "bz2"}
 
 
 class TraceError(InvalidInputError):
@@ -145,10 +148,15 @@ def read_trace(
         TraceError: the file cannot be read, holds no request, or a line is malformed
             (missing or mistyped field, decreasing timestamp, inconsistent block ids).
     """
-    name = os.fspath(path)
-    for value in (block_tokens, token_block_tokens):
-        if value is not None and value < 1:
-            raise TraceError(f"tokens per block must be >= 1, got {value}", path=name)
+    name = _path_name(path)
+    for arg, value in (("block_tokens", block_tokens), ("token_block_tokens", token_block_tokens)):
+        if value is not None and (not is_int(value) or not 1 <= value <= MAX_DIM):
+            raise TraceError(
+                f"{arg}: tokens per block must be >= 1 and <= {MAX_DIM}, got {describe(value)}",
+                path=name,
+            )
+    if limit is not None and (not is_int(limit) or limit < 1):
+        raise TraceError(f"limit: expected an integer >= 1, got {describe(limit)}", path=name)
     builder: _Builder | None = None
     for line_no, record in _records(Path(name), limit):
         if builder is None:
@@ -156,7 +164,7 @@ def read_trace(
             if fmt == "tokens" and "tokens" not in record:
                 raise TraceError(
                     "expected a Mooncake record (timestamp, input_length, output_length, "
-                    f"hash_ids) or a token record (tokens), got keys {sorted(record)}",
+                    f"hash_ids) or a token record (tokens), got keys {describe(sorted(record))}",
                     path=name,
                     line=line_no,
                 )
@@ -181,6 +189,8 @@ def read_prompts(trace: Trace) -> Iterator[tuple[list[int], str | None]]:
     Raises:
         TraceError: `trace` is not a token trace, or its file no longer holds its requests.
     """
+    if not isinstance(trace, Trace):
+        raise TraceError(f"expected a Trace (from read_trace), got {type(trace).__name__}")
     if trace.format != "tokens":
         raise TraceError(f"a {trace.format} trace holds no tokens", path=trace.path)
     count = 0
@@ -194,19 +204,34 @@ def read_prompts(trace: Trace) -> Iterator[tuple[list[int], str | None]]:
         raise TraceError("changed since it was read: requests missing", path=trace.path)
 
 
+def _path_name(path: object) -> str:
+    """Return a trace path as text.
+
+    Raises:
+        TraceError: `path` is not a text path.
+    """
+    name = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(name, str):
+        raise TraceError(f"expected the path of a trace file, got {describe(path)}")
+    return name
+
+
 def _records(path: Path, limit: int | None) -> Iterator[tuple[int, Mapping[str, Any]]]:
     """Yield (line number, JSON object) for each non-blank line, up to `limit` of them."""
     name = str(path)
     try:
         f = path.open("rb")
-    except OSError as exc:
-        raise TraceError(f"cannot read: {exc.strerror or exc}", path=name) from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise TraceError(f"cannot read: {reason}", path=name) from exc
     count = 0
     with f:
         # NOTE: binary lines decoded one by one, so a decoding error names its own line.
         for line_no, raw in enumerate(f, start=1):
             if limit is not None and count >= limit:
                 return
+            if line_no == 1:
+                raw = _first_line(raw, name)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -217,6 +242,14 @@ def _records(path: Path, limit: int | None) -> Iterator[tuple[int, Mapping[str, 
             yield line_no, _json_object(text, name, line_no)
 
 
+def _first_line(raw: bytes, path: str) -> bytes:
+    """Return the first line without a UTF-8 byte-order mark; refuse a compressed file."""
+    for magic, kind in _COMPRESSED.items():
+        if raw.startswith(magic):
+            raise TraceError(f"{kind}-compressed; decompress it first", path=path)
+    return raw.removeprefix(b"\xef\xbb\xbf")
+
+
 def _json_object(text: str, path: str, line: int) -> Mapping[str, Any]:
     """Return a line's JSON object.
 
@@ -225,7 +258,13 @@ def _json_object(text: str, path: str, line: int) -> Mapping[str, Any]:
             digits), or not an object.
     """
     try:
-        record = json.loads(text)
+        record = json.loads(text, object_pairs_hook=_unique_keys)
+    except _RepeatedField as exc:
+        raise TraceError(
+            f"field {describe(exc.key)} appears twice; a record gives each field once",
+            path=path,
+            line=line,
+        ) from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"not valid JSON: {exc.msg}", path=path, line=line) from exc
     except ValueError as exc:  # an integer past Python's digit limit
@@ -234,6 +273,25 @@ def _json_object(text: str, path: str, line: int) -> Mapping[str, Any]:
         raise TraceError("not valid JSON: nested too deep", path=path, line=line) from None
     if not isinstance(record, dict):
         raise TraceError("expected a JSON object", path=path, line=line)
+    return record
+
+
+class _RepeatedField(Exception):
+    """A JSON object names one key twice (json.loads would keep the last value silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedField(key)
+            seen.add(key)
     return record
 
 
@@ -309,6 +367,9 @@ class _Builder:
         tokens = record["tokens"]
         if not isinstance(tokens, list):
             raise self.error("tokens: expected a list of token ids", line)
+        # NOTE: JSON's true and false load as bools, which count as the ints 1 and 0.
+        if bool in set(map(type, tokens)):
+            raise self.error("tokens: true or false is not a token id", line)
         salt = record.get("salt")
         if salt is not None and not isinstance(salt, str):
             raise self.error(f"salt: expected a string, got {type(salt).__name__}", line)
