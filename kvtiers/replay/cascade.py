@@ -6,6 +6,7 @@ import math
 import re
 from fractions import Fraction
 
+from kvtiers.core.checks import describe
 from kvtiers.core.config import CacheConfig, parse_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.eviction import available_policies
@@ -15,8 +16,10 @@ __all__ = ["from_config", "parse_capacity", "parse_policies", "single_tier"]
 
 #: The largest capacity a replay takes, in blocks (the policies size their parts in floats).
 MAX_CAPACITY_BLOCKS = 2**53
-_SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
-_BLOCKS_RE = re.compile(r"^\s*(\d+)\s*$")
+# NOTE: ASCII only: `\d` would take other scripts' digits ("٥٠%").
+_SHARE_RE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*%\s*$", re.ASCII)
+_BLOCKS_RE = re.compile(r"^\s*(\d+)\s*$", re.ASCII)
+_MAX_DIGITS = 20  # of a whole number or its decimals: past 2**53 blocks, or below one
 
 
 def parse_policies(text: str) -> list[str]:
@@ -27,6 +30,8 @@ def parse_policies(text: str) -> list[str]:
     Raises:
         ConfigError: an unknown name.
     """
+    if not isinstance(text, str):
+        raise ConfigError(f"--policy: expected a comma list of policies, got {describe(text)}")
     known = available_policies()
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
@@ -51,12 +56,18 @@ def parse_capacity(text: str, *, unique_blocks: int, block_bytes: int | None) ->
         ConfigError: malformed, below one block, above `MAX_CAPACITY_BLOCKS`, or bytes
             without a layout.
     """
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"--capacity: expected blocks (9140), a share (5%) or a size (16GiB), "
+            f"got {describe(text)}"
+        )
     where = f"--capacity {text.strip()[:40]!r}"
     if match := _BLOCKS_RE.match(text):
-        blocks = int(match.group(1))
+        blocks = math.floor(_number(match.group(1), None, where))
     elif match := _SHARE_RE.match(text):
         # NOTE: exact arithmetic, so 10% of 43,920 is 4,392 and not 4,391.
-        blocks = math.floor(Fraction(match.group(1)) * unique_blocks / 100)
+        whole, decimals = match.groups()
+        blocks = math.floor(_number(whole, decimals, where) * unique_blocks / 100)
     else:
         num_bytes = parse_size(text.strip(), where=where)
         if block_bytes is None:
@@ -70,6 +81,17 @@ def parse_capacity(text: str, *, unique_blocks: int, block_bytes: int | None) ->
     if blocks > MAX_CAPACITY_BLOCKS:
         raise ConfigError(f"{where}: is more than 2**53 blocks")
     return blocks
+
+
+def _number(whole: str, decimals: str | None, where: str) -> Fraction:
+    """Return a decimal number exactly, within Python's limit on digits."""
+    whole = whole.lstrip("0") or "0"
+    decimals = (decimals or "").rstrip("0")
+    if len(whole) > _MAX_DIGITS:
+        raise ConfigError(f"{where}: is more than 2**53 blocks")
+    if len(decimals) > _MAX_DIGITS:
+        raise ConfigError(f"{where}: more than {_MAX_DIGITS} decimals")
+    return Fraction(int(whole + decimals), 10 ** len(decimals))
 
 
 def single_tier(capacity_blocks: int, policy: str) -> list[TierSpec]:
