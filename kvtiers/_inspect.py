@@ -9,7 +9,6 @@ named by the layout record its writers left (see `tiers/_layout_record`), where 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 from collections.abc import Iterator
@@ -20,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from kvtiers._lmdb_admin import check_store_path, lmdb_failure, open_chunks, open_lmdb
 from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers import _layout_record as layout_record
-from kvtiers.tiers._files import FILE_MODE
 
 if TYPE_CHECKING:
     from kvtiers.tiers._remote_admin import Namespace as PoolNamespace
@@ -92,9 +91,11 @@ def inspect(
     """Inspect an LMDB environment (a directory) or a remote pool (an fsspec URL).
 
     Raises:
-        ConfigError: `target` is neither an LMDB environment nor a supported URL.
-        TierIOError: the LMDB environment cannot be opened (e.g. its data.mdb is no LMDB
-            file), or the remote store cannot be listed.
+        ConfigError: `target` is neither an LMDB environment of kvtiers nor a supported
+            URL (a bad argument).
+        TierIOError: the store cannot be read: the LMDB environment cannot be opened or
+            read (e.g. its data.mdb is no LMDB file, is cut short or damaged, its reader
+            table is full), or the remote store cannot be listed or read.
     """
     if "://" in target:
         return asyncio.run(_inspect_remote(target, verify, storage_options or {}))
@@ -126,13 +127,12 @@ def _progress(total: int, verify: bool, what: str) -> Iterator[tqdm[Any]]:
 def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
     import lmdb
 
-    if not (path / "data.mdb").is_file():
-        raise ConfigError(f"{path}: not an LMDB environment (no data.mdb); give a path or a URL")
+    check_store_path(path)
     result = Inspection("lmdb", str(path), verified=verify)
     groups: dict[str, Namespace] = {}
     env = open_lmdb(path, readonly=True)
     try:
-        chunks = env.open_db(b"chunks", create=False)
+        chunks = open_chunks(env, path)
         with env.begin(db=chunks, buffers=True) as txn:
             total = txn.stat(chunks)["entries"]
             with _progress(total, verify, "verify") as bar, txn.cursor() as cursor:
@@ -154,49 +154,12 @@ def _inspect_lmdb(path: Path, verify: bool) -> Inspection:
             for fingerprint, fields in _lmdb_layouts(env, txn).items():
                 if fingerprint in groups:
                     groups[fingerprint].layout = fields
-    except lmdb.Error as exc:
-        raise ConfigError(f"{path}: cannot read the LMDB environment: {exc}") from exc
+    except lmdb.Error as exc:  # a store failure; a store that is none raised ConfigError
+        raise lmdb_failure(path, exc, "read") from exc
     finally:
         env.close()
     result.namespaces = sorted(groups.values(), key=lambda g: -g.bytes)
     return result
-
-
-def open_lmdb(path: Path, *, readonly: bool) -> Any:
-    """Open the LMDB environment at `path` beside the caches that may be using it.
-
-    Raises:
-        TierIOError: it cannot be opened (e.g. its data.mdb is no LMDB file).
-    """
-    import lmdb
-
-    # NOTE: lock=True enters each read transaction in lock.mdb's reader table, so caches
-    # writing the path keep the pages of its snapshot; unlocked, they reused them mid-read
-    # and inspect counted and verified garbage (every entry "corrupt"). A folder without a
-    # lock.mdb is open in no process (each one creates it): read it without, creating none.
-    lock = not readonly or (path / "lock.mdb").exists()
-    try:
-        # NOTE: map_size=0 maps the size the caches recorded. py-lmdb's default (10 MiB,
-        # raised only to the pages in use) left no room to copy pages on write, so a purge
-        # of a larger store failed with MDB_MAP_FULL.
-        env = lmdb.open(
-            str(path),
-            max_dbs=4,
-            subdir=True,
-            readonly=readonly,
-            lock=lock,
-            create=False,
-            map_size=0,
-            mode=FILE_MODE,
-        )
-    except lmdb.Error as exc:  # e.g. MDB_INVALID: data.mdb is no LMDB file
-        raise TierIOError(f"{path}: cannot open the LMDB environment: {exc}") from exc
-    if lock:
-        # NOTE: a reader killed mid-read (an inspect, a cache) keeps its slot, and its
-        # snapshot's pages stay pinned: the caches' writes then only grow the file.
-        with contextlib.suppress(lmdb.Error):
-            env.reader_check()
-    return env
 
 
 def _lmdb_layouts(env: Any, txn: Any) -> dict[str, dict[str, Any]]:
@@ -223,6 +186,7 @@ def _lmdb_layouts(env: Any, txn: Any) -> dict[str, dict[str, Any]]:
 
 async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any]) -> Inspection:
     from kvtiers.tiers._remote_admin import is_fingerprint, list_pool, open_store
+    from kvtiers.tiers._remote_breaker import StoreUnavailable
     from kvtiers.tiers._remote_options import display_url
 
     config = TierConfig(
@@ -241,7 +205,10 @@ async def _inspect_remote(url: str, verify: bool, storage_options: dict[str, Any
     ]
     if verify:
         async with open_store(config) as store:
-            await _verify_remote(store, pool, result)
+            try:
+                await _verify_remote(store, pool, result)
+            except StoreUnavailable as exc:  # its text names the URL and the object
+                raise TierIOError(f"cannot read the pool: {exc}") from None
     return result
 
 

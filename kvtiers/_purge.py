@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtiers._inspect import inspect, open_lmdb
+from kvtiers._inspect import inspect
+from kvtiers._lmdb_admin import lmdb_failure, open_lmdb
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.tiers import _chunk_format as fmt
 
@@ -53,7 +54,7 @@ def purge(
         ConfigError: neither or both selections, an empty, unknown or ambiguous
             fingerprint, a target that is no store, or `older_than` without a fingerprint
             or on a path.
-        TierIOError: the store cannot be changed.
+        TierIOError: the store cannot be read or changed.
     """
     _check_selection(target, fingerprint, bad, older_than)
     found = inspect(target, verify=bad, storage_options=storage_options)
@@ -120,7 +121,7 @@ def _purge_lmdb(path: Path, fingerprint: str | None, report: PurgeReport) -> Non
         report.removed = len(doomed)
         report.removed_bytes = sum(size for _, size in doomed)
     except lmdb.Error as exc:
-        raise TierIOError(f"{path}: purge failed: {exc}") from exc
+        raise lmdb_failure(path, exc, "purge") from exc
     finally:
         env.close()
 

@@ -4,8 +4,10 @@
 config's tiers hold and need without opening them; `remote ls` and `remote purge` list and
 delete the objects of a config's remote tiers.
 
-Exit status: 0 on success; 1 when the demo finds wrong KV or a tier fails; 2 for bad
-arguments or a bad config (the message names the field).
+Exit status: 0 on success; 1 when the demo finds wrong KV, a tier fails, or a store
+cannot be read or changed (`TierIOError`, or an `OSError` the command did not expect); 2
+for bad arguments or a bad config (`ConfigError`: the message names the field). A failure
+is one line on stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -34,6 +37,7 @@ from kvtiers.demo import ChatWorkload, default_demo_config, format_report, run_d
 __all__ = ["main"]
 
 _WORKLOAD = ChatWorkload()  # the demo's defaults
+_STORE_COMMANDS = frozenset({"inspect", "purge", "remote"})  # they read stores, not caches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,13 +52,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return run(args)
+        with _quiet_store_logs(args.command in _STORE_COMMANDS):
+            return run(args)
     except ConfigError as exc:
         print(f"kvtiers {args.command}: {exc}", file=sys.stderr)
         return 2
-    except KVTiersError as exc:
+    except (KVTiersError, OSError) as exc:  # TierIOError is an OSError too
         print(f"kvtiers {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+@contextmanager
+def _quiet_store_logs(quiet: bool) -> Iterator[None]:
+    """Keep kvtiers' warnings off stderr while `quiet`.
+
+    A remote store's retries warn as a running cache's would ("serving misses"); a command
+    that gives up instead says so in its one line of error.
+    """
+    logger = logging.getLogger("kvtiers")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _build_parser() -> argparse.ArgumentParser:
