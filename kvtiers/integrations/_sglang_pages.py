@@ -24,7 +24,7 @@ from kvtiers._tensors import TORCH_DTYPES, host_bytes
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 
-__all__ = ["PageMap", "layout_of"]
+__all__ = ["PageMap", "layout_of", "pool_pages"]
 
 # (kind, host layout) -> (axis to squeeze from a non-flat page, permutation to payload order)
 _ORDERS: dict[tuple[str, str], tuple[int | None, tuple[int, ...]]] = {
@@ -158,17 +158,6 @@ class PageMap:
         """Return the page that starts at host token `token_index`, in payload order."""
         return self._canon(self.pool.get_data_page(token_index, flat=False))
 
-    def pages(self, host_indices: torch.Tensor, count: int) -> list[Any]:
-        """Return the views of `count` pages whose token indices are `host_indices`.
-
-        Each is a payload-order tensor view, or its bytes as a NumPy view when the pool's
-        pages are slices of one buffer (`base`); either way the pool's own memory.
-        """
-        size = self.layout.chunk_size
-        if host_indices.numel() < count * size:
-            raise ValueError(f"{host_indices.numel()} host indices for {count} pages of {size}")
-        return self.pages_at(host_indices[::size][:count].tolist())
-
     def pages_at(self, starts: Sequence[int]) -> list[Any]:
         """Return the views of the pages that start at host token indices `starts`."""
         size, base = self.layout.chunk_size, self.base
@@ -179,3 +168,17 @@ class PageMap:
     def flat(self, data: torch.Tensor) -> torch.Tensor:
         """Return a flat page (`get_data_page(i, flat=True)`'s form) in payload order."""
         return self._canon(data.view(self.page_shape))
+
+
+def pool_pages(pool: Any, storage_config: Any, model: str | None = None) -> PageMap:
+    """Return the page map of a host pool, under its layout (`layout_of`).
+
+    Raises:
+        ConfigError: a pool kvtiers cannot store, or not a host pool at all.
+    """
+    try:
+        return PageMap.of(pool, layout_of(pool, storage_config, model))
+    except ConfigError:
+        raise
+    except Exception as exc:  # not a host pool: refused like one kvtiers cannot store
+        raise ConfigError(f"{_WHERE}: cannot read {type(pool).__name__} ({exc})") from exc

@@ -37,8 +37,9 @@ from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._runtime import CACHES, Lease, SharedCache, config_identity
+from kvtiers.integrations._sglang_args import BadArgumentError, capacity_of, page_starts
 from kvtiers.integrations._sglang_options import BackendOptions
-from kvtiers.integrations._sglang_pages import PageMap, layout_of
+from kvtiers.integrations._sglang_pages import PageMap, pool_pages
 
 __all__ = ["ExtraPools", "PoolPages", "PoolViews", "fold_hits", "pool_config", "pool_layout"]
 
@@ -144,12 +145,14 @@ class PoolPages:
         self._spare: list[Any] = []
         self._lock = threading.Lock()  # SGLang's prefetch and backup threads call at once
 
-    def starts(self, keys: Sequence[str], host_indices: torch.Tensor | None) -> list[int] | None:
-        """Return each key's first host slot; `None` unless there is one page per key."""
-        size = self.layout.chunk_size
-        if host_indices is None or host_indices.numel() != len(keys) * size:
-            return None
-        return [int(i) for i in host_indices[::size].tolist()]
+    def starts(self, keys: Sequence[str], host_indices: Any, *, write: bool) -> list[int]:
+        """Return each key's first host slot (`page_starts`, within the pool's `size`).
+
+        Raises:
+            BadArgumentError: the host indices do not give one page of the pool per key.
+        """
+        size, capacity = self.layout.chunk_size, capacity_of(self.pool)
+        return page_starts(host_indices, len(keys), size, capacity, write=write)
 
     def sources(self, starts: Sequence[int]) -> list[Any]:
         """Return each page's bytes (the chunk to store), as the pool gives them."""
@@ -211,7 +214,8 @@ class ExtraPools:
         options: the backend's options (the KV config, per-pool configs, salt).
         run: runs `make(cache)` on an entry's loop: `run(op, make, default, entry)`.
         fail: records a failed call: `fail(op, why)`.
-        record: records a transfer's pages and time: `record(write, pages, seconds, map)`.
+        record: records a transfer's pages and time:
+            `record(write, num_pages, seconds, chunk_bytes)`.
     """
 
     def __init__(
@@ -265,9 +269,8 @@ class ExtraPools:
         if hasattr(pool, "kv_buffer") and hasattr(pool, "layer_num"):
             model = f"{self._options.model or storage_config.model_name or 'sglang-model'}"
             try:
-                layout = layout_of(pool, storage_config, f"{model}#{name}")
-                return PoolViews(PageMap.of(pool, layout))
-            except (ConfigError, AttributeError, TypeError, ValueError, RuntimeError):
+                return PoolViews(pool_pages(pool, storage_config, f"{model}#{name}"))
+            except ConfigError:
                 pass  # a KV pool kvtiers cannot view: its pages are copied
         return PoolPages(pool, pool_layout(pool, name, kv_layout, storage_config))
 
@@ -284,7 +287,7 @@ class ExtraPools:
         missed = [False] * len(hashes)
         found = self._pools.get(name)
         if found is None:
-            self._fail("batch_exists_v2", f"no registered host pool {name!r}")
+            self._fail("batch_exists_v2", BadArgumentError("pool", f"{name!r} is not registered"))
             return missed
         salt = self._options.salt
 
@@ -301,12 +304,16 @@ class ExtraPools:
         # rank backs up (a Mamba state is per rank even where MLA pages are shared).
         missed = [False] * len(keys)
         found = self._pools.get(name)
-        starts = found[1].starts(keys, host_indices) if found is not None and keys else None
-        if found is None or starts is None:
-            if keys:
-                self._fail(op, f"host pool {name!r}: not registered, or not a page per key")
+        if not keys:
             return missed
-        entry, pages = found
+        try:
+            if found is None:
+                raise BadArgumentError("pool", f"{name!r} is not registered")
+            entry, pages = found
+            starts = pages.starts(keys, host_indices, write=write)
+        except BadArgumentError as exc:
+            self._fail(op, exc)
+            return missed
         salt, begin = self._options.salt, time.perf_counter()
         try:
             chunks = pages.sources(starts) if write else pages.targets(starts)
@@ -323,7 +330,7 @@ class ExtraPools:
         except Exception as exc:  # SGLang's own page calls
             self._fail(op, exc)
             return missed
-        self._record(write, sum(flags), time.perf_counter() - begin, pages)
+        self._record(write, sum(flags), time.perf_counter() - begin, pages.layout.chunk_bytes)
         return flags
 
     def close(self) -> None:

@@ -14,18 +14,15 @@ extra pools (Mamba state, SWA windows) each get a cache of their own (`_sglang_p
 
 SGLang calls storage backends synchronously from its prefetch and backup threads, where an
 exception would stop the thread for good. So every method here turns a failure into a miss
-(`False`, `0`, `None`), logs it (the first of each kind with its traceback, then one line
-per hundred) and counts it in `failures`.
+(`False`, `0`, `None`, an aligned list of them), logs it and counts it in `failures`
+(`_sglang_calls`). Arguments are checked before any page moves (`_sglang_args`): a bad one
+is such a miss, also counted by the argument at fault in `rejected`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
-import time
-from collections import Counter
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -39,13 +36,24 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtiers.cache import TieredCache
-from kvtiers.core.errors import ConfigError
-from kvtiers.core.keys import ChunkKey
+from kvtiers.core.errors import CacheStateError, ConfigError
 from kvtiers.core.stats import CacheStats
 from kvtiers.integrations._runtime import CACHES, Lease, SharedCache, config_identity
+from kvtiers.integrations._sglang_args import (
+    BadArgumentError,
+    Transfer,
+    checked_transfers,
+    count_of,
+    missed_transfers,
+    page_keys,
+    parent_hash,
+)
+from kvtiers.integrations._sglang_calls import Calls
+from kvtiers.integrations._sglang_kv import KVPages
+from kvtiers.integrations._sglang_metrics import TransferMetrics
 from kvtiers.integrations._sglang_options import BackendOptions, default_config
-from kvtiers.integrations._sglang_pages import PageMap, layout_of
-from kvtiers.integrations._sglang_pools import ExtraPools, PoolPages, fold_hits
+from kvtiers.integrations._sglang_pages import pool_pages
+from kvtiers.integrations._sglang_pools import ExtraPools, fold_hits
 
 __all__ = ["KVTiersStorage", "default_config"]
 
@@ -75,23 +83,16 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self.storage_config = storage_config
         options = BackendOptions.from_extra_config(storage_config.extra_config)
         self._source, self._salt, self._model = options.source, options.salt, options.model
-        self._timeout = options.timeout
         self._entry: SharedCache | None = None
         self._lease: Lease | None = None
-        self._pages: dict[str, PageMap] = {}
-        self._extras = ExtraPools(options, self._run, self._fail, self._record)
-        self.failures: Counter[str] = Counter()
+        self._kv: KVPages | None = None
+        self._calls = Calls(logger, options.timeout)
+        self.failures = self._calls.failures
         """Calls that failed (served as misses), by method."""
-        self._metrics: dict[str, list[float]] = {
-            "prefetch_pgs": [],
-            "backup_pgs": [],
-            "prefetch_bandwidth": [],
-            "backup_bandwidth": [],
-        }
-        # NOTE: the backup and prefetch threads record while the scheduler takes the
-        # metrics (`get_stats`); without the lock a record between the copy and the clear
-        # is lost, and a call's pages and bandwidth can land in different snapshots.
-        self._metrics_lock = threading.Lock()
+        self.rejected = self._calls.rejected
+        """Calls refused for a bad argument (also in `failures`), by the argument at fault."""
+        self._metrics = TransferMetrics()
+        self._extras = ExtraPools(options, self._run, self._calls.miss, self._metrics.record)
 
     # -- set-up --------------------------------------------------------------------
 
@@ -101,29 +102,33 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         Raises:
             ConfigError: the pool or the kvtiers config cannot be used.
         """
-        super().register_mem_pool_host(mem_pool_host)
         self._register(PoolName.KV, mem_pool_host)
+        super().register_mem_pool_host(mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Register a host pool for the v2 calls; an extra pool gets a cache of its own.
 
         Raises:
-            ConfigError: the pool or its config cannot be used, or the KV pool is not
-                registered yet.
+            ConfigError: the pool, its name or its config cannot be used, or the KV pool
+                is not registered yet.
         """
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if not isinstance(host_pool_name, str) or not host_pool_name:
+            raise ConfigError(
+                f"hicache host pool name: expected a PoolName, got {host_pool_name!r}"
+            )
         if host_pool_name == PoolName.KV:
             self._register(PoolName.KV, host_pool)
-            return
-        if self._entry is None:
+        elif self._entry is None:
             raise ConfigError(f"hicache host pool {str(host_pool_name)!r}: register KV first")
-        kv = self._entry.cache
-        pool = self._extras.register(str(host_pool_name), host_pool, kv.layout, self.storage_config)
-        kv.serve_metrics_of(pool)  # one endpoint: the KV cache's `[metrics]`
+        else:
+            kv = self._entry.cache
+            name, config = str(host_pool_name), self.storage_config
+            kv.serve_metrics_of(self._extras.register(name, host_pool, kv.layout, config))
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)  # once it is usable
 
     def _register(self, name: str, pool: Any) -> None:
-        layout = layout_of(pool, self.storage_config, self._model)
-        pages = PageMap.of(pool, layout)
+        pages = pool_pages(pool, self.storage_config, self._model)
+        layout = pages.layout
         if self._entry is None:
             source = self._source
             self._entry = CACHES.acquire(
@@ -139,8 +144,9 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
                 layout.chunk_bytes,
             )
         elif self._entry.cache.layout != layout:
-            raise ConfigError(f"hicache host pool {name!r}: another layout than the KV pool's")
-        self._pages[str(name)] = pages
+            raise ConfigError(f"hicache host pool {str(name)!r}: another layout than the KV pool's")
+        writer = bool(self.storage_config.is_storage_writer)
+        self._kv = KVPages(pages, self._run, self._metrics.record, self._salt, writer)
 
     def close(self) -> None:
         """Release the caches (the last user closes each); idempotent, also when racing.
@@ -157,43 +163,16 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         """The underlying cache, once a host pool is registered."""
         return self._entry.cache if self._entry is not None else None
 
-    # -- running cache calls from SGLang's threads ---------------------------------
+    # -- running calls from SGLang's threads ----------------------------------------
 
     def _run(self, op: str, make: Any, default: _T, entry: SharedCache | None = None) -> _T:
-        """Run `make(cache)` on the loop of `entry` (default: the KV cache's).
+        """Run `make(cache)` on the loop of `entry` (default: the KV cache's)."""
+        return self._calls.run(op, make, default, entry or self._entry)
 
-        A failure or timeout gives `default`.
-        """
-        entry = entry or self._entry
-        if entry is None:
-            self._fail(op, "no host pool registered yet")
-            return default
-        try:
-            coro: Awaitable[_T] = make(entry.cache)
-            return entry.loop.run(_within(coro, self._timeout), self._timeout + 5.0)
-        except Exception as exc:
-            self._fail(op, exc)
-            return default
-
-    def _fail(self, op: str, why: object) -> None:
-        self.failures[op] += 1
-        count = self.failures[op]
-        if count == 1 or count % 100 == 0:
-            logger.warning(
-                "kvtiers: %s failed (%d so far), served as a miss: %s",
-                op,
-                count,
-                why,
-                exc_info=isinstance(why, BaseException) and count == 1,
-            )
-
-    def _keys(self, hashes: list[str], extra_info: Any) -> tuple[list[ChunkKey], ChunkKey | None]:
-        cache = self.cache
-        assert cache is not None
-        keys = cache.chunk_keys(hashes, salt=self._salt)
-        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
-        parent = cache.chunk_keys(prefix[-1:], salt=self._salt)[0] if prefix else None
-        return keys, parent
+    def _kv_pages(self) -> KVPages:
+        if self._kv is None:
+            raise CacheStateError("no host pool registered yet")
+        return self._kv
 
     # -- lookups -------------------------------------------------------------------
 
@@ -205,11 +184,16 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """Return how many leading pages of `keys` some tier holds."""
-        if not keys:
+        return self._calls.guarded("batch_exists", 0, self._exists, keys, extra_info)
+
+    def _exists(self, keys: Any, extra_info: Any) -> int:
+        hashes = page_keys(keys)
+        parent_hash(extra_info)  # checked only: a lookup links no pages
+        if not hashes:
             return 0
 
         async def go(cache: TieredCache) -> int:
-            return await cache.lookup_keys(self._keys(keys, extra_info)[0])
+            return await cache.lookup_keys(cache.chunk_keys(hashes, salt=self._salt))
 
         return self._run("batch_exists", go, 0)
 
@@ -221,12 +205,23 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
     ) -> PoolTransferResult:
         """Return the usable prefix: the KV hit, cut to what every extra pool restores.
 
-        Each transfer's hit policy says which pages its pool must hold (`fold_hits`).
+        Each transfer's hit policy says which pages its pool must hold (`fold_hits`); a
+        malformed transfer gives no usable prefix.
         """
-        hit = self.batch_exists(keys, extra_info)
-        extra = [t for t in pool_transfers or [] if t.name != PoolName.KV]
+        missed = PoolTransferResult(0, {}, [])
+        return self._calls.guarded(
+            "batch_exists_v2", missed, self._exists_v2, keys, pool_transfers, extra_info
+        )
+
+    def _exists_v2(self, keys: Any, transfers: Any, extra_info: Any) -> PoolTransferResult:
+        hashes, (good, bad) = page_keys(keys), checked_transfers(transfers, optional=True)
+        parent_hash(extra_info)
+        if bad:
+            raise bad[0]  # a pool left unchecked could not restore the prefix
+        hit = self.batch_exists(hashes, extra_info)
+        extra = [t for t in good if t.name != PoolName.KV]
         final, counts, restorable = fold_hits(
-            hit, extra, lambda name: self._extras.present(name, keys[:hit])
+            hit, extra, lambda name: self._extras.present(name, hashes[:hit])
         )
         return PoolTransferResult(final, counts, restorable)
 
@@ -239,7 +234,7 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read pages straight into the host pool's slots; per key, whether it was read."""
-        return self._transfer("batch_get_v1", PoolName.KV, keys, host_indices, extra_info, False)
+        return self._kv_transfer("batch_get_v1", keys, host_indices, extra_info, False)
 
     def batch_set_v1(
         self,
@@ -248,7 +243,7 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store pages straight from the host pool's slots; per key, whether a tier holds it."""
-        return self._transfer("batch_set_v1", PoolName.KV, keys, host_indices, extra_info, True)
+        return self._kv_transfer("batch_set_v1", keys, host_indices, extra_info, True)
 
     def batch_get_v2(
         self,
@@ -267,56 +262,46 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         return self._transfers("batch_set_v2", transfers, extra_info, write=True)
 
     def _transfers(
-        self, op: str, transfers: list[PoolTransfer], extra_info: Any, *, write: bool
+        self, op: str, transfers: Any, extra_info: Any, *, write: bool
     ) -> dict[str, list[bool]]:
-        return {
-            t.name: (
-                self._transfer(op, t.name, t.keys or [], t.host_indices, extra_info, write)
-                if t.name == PoolName.KV
-                else self._extras.transfer(op, str(t.name), t.keys or [], t.host_indices, write)
+        """Run each pool's transfer; a malformed one is a miss of its pool alone."""
+        answer = missed_transfers(transfers)
+        try:
+            parent_hash(extra_info)
+            good, bad = checked_transfers(transfers)
+        except BadArgumentError as exc:
+            self._calls.miss(op, exc)
+            return answer
+        for why in bad:
+            self._calls.miss(op, why)
+        for t in good:
+            missed = [False] * len(t.keys)
+            answer[t.name] = self._calls.guarded(
+                op, missed, self._pool_transfer, op, t, extra_info, write
             )
-            for t in transfers
-        }
+        return answer
+
+    def _pool_transfer(
+        self, op: str, transfer: Transfer, extra_info: Any, write: bool
+    ) -> list[bool]:
+        if transfer.name == PoolName.KV:
+            return self._transfer(op, transfer.keys, transfer.host_indices, extra_info, write)
+        name, keys = str(transfer.name), transfer.keys
+        return self._extras.transfer(op, name, keys, transfer.host_indices, write)
+
+    def _kv_transfer(
+        self, op: str, keys: Any, host_indices: Any, extra_info: Any, write: bool
+    ) -> list[bool]:
+        missed = [False] * count_of(keys)
+        return self._calls.guarded(
+            op, missed, self._transfer, op, keys, host_indices, extra_info, write
+        )
 
     def _transfer(
-        self,
-        op: str,
-        pool: Any,
-        keys: list[str],
-        host_indices: torch.Tensor | None,
-        extra_info: Any,
-        write: bool,
+        self, op: str, keys: Any, host_indices: Any, extra_info: Any, write: bool
     ) -> list[bool]:
-        missed = [False] * len(keys)
-        if not keys:
-            return []
-        if write and not self.storage_config.is_storage_writer:
-            return [True] * len(keys)  # MLA: one rank writes the pages every rank shares
-        pages = self._pages.get(str(pool))
-        if pages is None or host_indices is None:
-            self._fail(op, f"no registered host pool {str(pool)!r} (only KV is stored)")
-            return missed
-        start = time.perf_counter()
-
-        async def go(cache: TieredCache) -> list[bool]:
-            chunk_keys, parent = self._keys(keys, extra_info)
-            views = pages.pages(host_indices, len(keys))
-            if write:
-                return await cache.put_chunks(chunk_keys, views, parent=parent)
-            return await cache.get_chunks(chunk_keys, views, parent=parent)
-
-        flags = self._run(op, go, missed)
-        self._record(write, sum(flags), time.perf_counter() - start, pages)
-        return flags
-
-    def _record(
-        self, write: bool, num_pages: int, seconds: float, pages: PageMap | PoolPages
-    ) -> None:
-        kind = "backup" if write else "prefetch"
-        gb = num_pages * pages.layout.chunk_bytes / 1e9
-        with self._metrics_lock:
-            self._metrics[f"{kind}_pgs"].append(num_pages)
-            self._metrics[f"{kind}_bandwidth"].append(gb / seconds if seconds > 0 else 0.0)
+        hashes, parent = page_keys(keys), parent_hash(extra_info)
+        return self._kv_pages().transfer(op, hashes, parent, host_indices, write) if hashes else []
 
     # -- the generic path: flat page copies -----------------------------------------
 
@@ -330,18 +315,12 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         """Fill each flat page of `target_locations`; `None` where a page is missing."""
-        pages = self._pages.get(str(PoolName.KV))
-        if pages is None or target_locations is None or len(target_locations) != len(keys):
-            self._fail("batch_get", "no host pool registered, or no target for every key")
-            return [None] * len(keys)
-        targets = list(target_locations)
+        missed: list[torch.Tensor | None] = [None] * count_of(keys)
+        return self._calls.guarded("batch_get", missed, self._get_flat, keys, target_locations)
 
-        async def go(cache: TieredCache) -> list[bool]:
-            views = [pages.flat(t) for t in targets]
-            return await cache.get_chunks(self._keys(keys, None)[0], views)
-
-        flags = self._run("batch_get", go, [False] * len(keys))
-        return [t if ok else None for t, ok in zip(targets, flags, strict=True)]
+    def _get_flat(self, keys: Any, targets: Any) -> list[torch.Tensor | None]:
+        hashes = page_keys(keys)
+        return self._kv_pages().get_flat(hashes, targets) if hashes else []
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
@@ -357,23 +336,10 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         target_sizes: Any = None,
     ) -> bool:
         """Store flat pages under `keys`; whether a tier holds every one of them."""
-        pages = self._pages.get(str(PoolName.KV))
-        if pages is None or values is None or len(values) != len(keys):
-            self._fail("batch_set", "no host pool registered, or no value for every key")
-            return False
-        if not self.storage_config.is_storage_writer:
-            return True
-        try:
-            data = [v.contiguous() for v in values]
-        except Exception as exc:  # not tensors: a miss, never an exception into SGLang
-            self._fail("batch_set", exc)
-            return False
+        return self._calls.guarded("batch_set", False, self._set_flat, keys, values)
 
-        async def go(cache: TieredCache) -> list[bool]:
-            views = [pages.flat(v) for v in data]
-            return await cache.put_chunks(self._keys(keys, None)[0], views)
-
-        return all(self._run("batch_set", go, [False] * len(keys)))
+    def _set_flat(self, keys: Any, values: Any) -> bool:
+        return self._kv_pages().set_flat(page_keys(keys), values)
 
     # -- administration ------------------------------------------------------------
 
@@ -394,12 +360,7 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
         """Return SGLang's `StorageMetrics` for the calls since the last call."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        metrics = StorageMetrics()
-        with self._metrics_lock:
-            for name, values in self._metrics.items():
-                getattr(metrics, name).extend(values)
-                values.clear()
-        return metrics
+        return self._metrics.take(StorageMetrics())
 
     def kvtiers_stats(self) -> CacheStats | None:
         """Return the KV cache's own counters (hits, tiers, miss reasons)."""
@@ -408,9 +369,3 @@ class KVTiersStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no t
     def pool_stats(self) -> dict[str, CacheStats]:
         """Return each extra pool's cache counters, by pool name."""
         return {name: entry.cache.stats() for name, entry in self._extras.named_entries()}
-
-
-async def _within(op: Awaitable[_T], timeout: float) -> _T:
-    # NOTE: wait_for cancels the operation and waits for it to unwind, so no tier is still
-    # writing into a host page when the caller gives the page back to SGLang.
-    return await asyncio.wait_for(op, timeout)

@@ -8,12 +8,13 @@ virtualenv); they keep these checks in the fast suite.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvtiers import ConfigError
-from kvtiers.integrations._sglang_pages import PageMap, layout_of
+from kvtiers.integrations._sglang_pages import PageMap, layout_of, pool_pages
 
 
 @dataclass
@@ -73,3 +74,9 @@ def test_unsupported_pools_are_refused_at_registration():
         PageMap.of(pool, layout_of(pool, StorageConfig()))
     with pytest.raises(ConfigError, match="dtype"):
         layout_of(StandInMHAPool(dtype=torch.int32), StorageConfig())
+
+
+def test_a_non_pool_is_refused_at_registration_with_a_config_error():
+    for pool in (None, object(), SimpleNamespace(layer_num="x")):
+        with pytest.raises(ConfigError, match="hicache host pool: cannot read"):
+            pool_pages(pool, StorageConfig())

@@ -16,6 +16,7 @@ import torch
 
 from kvtiers import ConfigError
 from kvtiers.core.layout import KVLayout
+from kvtiers.integrations._sglang_args import BadArgumentError
 from kvtiers.integrations._sglang_options import BackendOptions, default_config
 from kvtiers.integrations._sglang_pools import (
     ExtraPools,
@@ -127,9 +128,11 @@ def test_pool_layout_refuses_pools_without_whole_token_pages():
 def test_pool_pages_copy_out_and_back():
     pool = StandInStatePool()
     pages = PoolPages(pool, KVLayout("m#mamba", 1, 1, 24, "uint8", 1, kind="mla"))
-    assert pages.starts(["a", "b"], torch.tensor([3, 1])) == [3, 1]
-    assert pages.starts(["a", "b"], torch.tensor([3])) is None
-    assert pages.starts(["a"], None) is None
+    assert pages.starts(["a", "b"], torch.tensor([3, 1]), write=False) == [3, 1]
+    with pytest.raises(BadArgumentError, match="host_indices: expected 2 pages of 1"):
+        pages.starts(["a", "b"], torch.tensor([3]), write=False)
+    with pytest.raises(BadArgumentError, match="host_indices: expected a tensor"):
+        pages.starts(["a"], None, write=False)
     want = [bytes(page) for page in pages.sources([3, 1])]
     targets = pages.targets([0, 2, 1])
     for target, raw in zip(targets, want, strict=False):
