@@ -216,3 +216,142 @@ def test_plan_reports_each_tier():
     text = format_plan(result)
     assert "128.00 KiB" in text
     assert "s3" in text
+
+
+# -- the docs' plan table, by hand ------------------------------------------------------
+
+
+def test_the_docs_plan_for_llama_8b_on_an_h200_by_hand():
+    # docs/replay.md, `kvtiers plan --model llama-3.1-8b --gpu H200 --tier dram:50GB/s
+    # --tier nvme:5GB/s --tier s3:1.5GB/s`, recomputed from the documented formula alone.
+    flops_per_s = 989.4e12 * 0.5
+
+    def prefill(n, c=0):
+        return (2 * 8_030_261_248 * n + 2 * 32 * 32 * 256 * (n * c + n * (n + 1) / 2)) / flops_per_s
+
+    def load(tokens, bandwidth, latency):
+        return latency + tokens * 131_072 / bandwidth
+
+    links = [
+        TierLink("dram", 50e9, 20e-6),
+        TierLink("nvme", 5e9, 100e-6),
+        TierLink("s3", 1.5e9, 20e-3),
+    ]
+    result = plan(LLAMA_8B, make_compute(LLAMA_8B, "H200"), links)
+    assert [round(s, 4) for _, s in result.prefill] == [0.0338, 0.3015, 1.6328, 13.359]
+    assert prefill(1024) == pytest.approx(0.0338005, rel=1e-5)
+    for tier, (bw, lat), prompt, be_gbps, head_ms, deep_ms in zip(
+        result.tiers,
+        [(50e9, 20e-6), (5e9, 100e-6), (1.5e9, 20e-3)],
+        [1, 16, 103_996],
+        [3.97, 3.98, 9.73],
+        [31.1, 6.9, -75.7],
+        [65.5, 41.3, -41.2],
+        strict=True,
+    ):
+        assert tier.break_even_tokens == prompt
+        # The first length that pays, and the one before it does not.
+        assert prefill(prompt) > load(prompt, bw, lat)
+        assert prompt == 1 or prefill(prompt - 1) <= load(prompt - 1, bw, lat)
+        assert tier.break_even_bandwidth / 1e9 == pytest.approx(be_gbps, abs=0.005)
+        assert tier.break_even_bandwidth == pytest.approx(1024 * 131_072 / (prefill(1024) - lat))
+        assert tier.saved_per_1k * 1e3 == pytest.approx(head_ms, abs=0.05)
+        assert tier.saved_per_1k_deep * 1e3 == pytest.approx(deep_ms, abs=0.05)
+        assert tier.saved_per_1k_deep == pytest.approx(
+            prefill(1024, 31 * 1024) - load(1024, bw, lat)
+        )
+
+
+def test_deepseek_v3_claims_in_the_docs():
+    # "For DeepSeek-V3 (MLA, 69 KiB per token ...) the break-even is ~0.45 GB/s and the same
+    # object store pays from ~200 tokens."
+    model = MODELS["deepseek-v3"]
+    compute = make_compute(model, "H200")
+    assert model.bytes_per_token == 70_272
+    assert break_even_bandwidth(model, compute, 1024) / 1e9 == pytest.approx(0.454, abs=0.001)
+    assert break_even_tokens(model, compute, TierLink("s3", 1.5e9, 20e-3)) == 193
+
+
+# -- nonsense in, a ConfigError out ------------------------------------------------------
+
+HUGE = 10**400  # an int past the largest float
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Compute("5e14", "x"), "compute"),
+        (lambda: Compute(HUGE, "x"), "compute"),
+        (lambda: Compute(True, "x"), "compute"),
+        (lambda: Compute(0.5, "x"), "compute"),  # less than 1 FLOP/s: TTFTs overflow
+        (lambda: TierLink("x", 0.5), "bandwidth"),  # less than 1 B/s: loads overflow
+        (lambda: TierLink("x", 5e-324), "bandwidth"),
+        (lambda: TierLink("x", 1e9, 86_401), "latency"),
+        (lambda: TierLink("x", 1e9, 1e308), "latency"),
+        (lambda: make_compute(LLAMA_8B, 5), "gpu"),
+        (lambda: make_compute(LLAMA_8B, None), "gpu"),
+        (lambda: make_compute(LLAMA_8B, mfu="0.5"), "mfu"),
+        (lambda: make_compute(LLAMA_8B, mfu=True), "mfu"),
+        (lambda: make_compute(LLAMA_8B, mfu=HUGE), "mfu"),
+        (lambda: make_compute(LLAMA_8B, tflops="5"), "tflops"),
+        (lambda: make_compute(LLAMA_8B, tflops=True), "tflops"),
+        (lambda: make_compute(LLAMA_8B, tflops=HUGE), "tflops"),
+        (lambda: make_compute(LLAMA_8B, tflops=1e-300), "tflops"),
+        (lambda: make_compute(LLAMA_8B, measured=[(1024, "1")]), "measured"),
+        (lambda: make_compute(LLAMA_8B, measured=[(1024, HUGE)]), "measured"),
+        (lambda: make_compute(LLAMA_8B, measured=[(1024, True)]), "measured"),
+        (lambda: make_compute(LLAMA_8B, measured=[(True, 1.0)]), "measured"),
+        (lambda: make_compute(LLAMA_8B, measured=[(1024,)]), "measured"),
+        (lambda: make_compute(LLAMA_8B, measured=[1024]), "measured"),
+        (lambda: make_compute(LLAMA_8B, measured=[(1, 1e300)]), "measured"),  # 0 FLOP/s
+        (lambda: parse_bandwidth(5), "bandwidth"),
+        (lambda: parse_bandwidth(None), "bandwidth"),
+        (lambda: parse_bandwidth("５GB/s"), "bandwidth"),  # full-width digit
+        (lambda: parse_bandwidth("0.5B/s"), "bandwidth"),
+        (lambda: parse_duration(3), "latency"),
+        (lambda: parse_duration("٣ms"), "latency"),  # an Arabic-Indic digit
+        (lambda: parse_duration("2d"), "latency"),
+        (lambda: parse_tier_link(5), "--tier"),
+        (lambda: parse_tier_link("x:1GB/s:86401s"), "--tier x: .* longer than a day"),
+        (lambda: ModelSpec("x", 1, 1, 1, 1, 2, 1, kind="mla"), "model.num_kv_heads"),
+        (lambda: ModelSpec("x", 1, 2**31 - 1, 1, 1, 2**31 - 1, 2**31 - 1), "model"),
+        (lambda: load_model(5), "model"),
+        (lambda: load_model(None), "model"),
+    ],
+)
+def test_nonsense_is_a_config_error(make, match):
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("make", "value"),
+    [
+        (lambda: Compute(1, "x").flops_per_s, 1),  # an int is a number too
+        (lambda: TierLink("x", 1).bandwidth, 1),
+        (lambda: TierLink("x", 1e9, 86_400).latency, 86_400),
+        (lambda: parse_bandwidth("1B/s"), 1.0),
+        (lambda: parse_bandwidth("8bps"), 1.0),
+        (lambda: parse_duration("0s"), 0.0),
+        (lambda: parse_duration("1440 s"), 1440.0),
+        (lambda: make_compute(LLAMA_8B, mfu=1).flops_per_s, 989.4e12),
+        (lambda: make_compute(LLAMA_8B, "h200").flops_per_s, 989.4e12 * 0.5),
+    ],
+)
+def test_edges_that_are_kept(make, value):
+    assert make() == pytest.approx(value)
+
+
+def test_every_figure_of_a_plan_is_finite_at_the_bounds():
+    import math
+
+    model = ModelSpec("big", 2**53, 2**20, 2**20, 2**20, 2**10, 2**10, max_context=2**31 - 1)
+    compute = Compute(1.0, "one FLOP/s")
+    result = plan(model, compute, [TierLink("slow", 1.0, 86_400.0), TierLink("fast", 1e15)])
+    figures = [s for _, s in result.prefill]
+    for t in result.tiers:
+        figures += [t.saved_per_1k, t.saved_per_1k_deep]
+        assert t.break_even_bandwidth == math.inf or math.isfinite(t.break_even_bandwidth)
+    assert all(math.isfinite(x) for x in figures)
+    ttft = ttft_seconds(model, compute, 2**31 - 1, [(result.tiers[0].link, 2**30)] * 4)
+    assert math.isfinite(ttft)

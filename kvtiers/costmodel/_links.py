@@ -6,10 +6,13 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvtiers.core.checks import describe
 from kvtiers.core.errors import ConfigError
 
 __all__ = [
     "DEFAULT_LINKS",
+    "MAX_LATENCY",
+    "MIN_BANDWIDTH",
     "TierLink",
     "default_link",
     "parse_bandwidth",
@@ -28,8 +31,16 @@ _BYTE_UNITS = {
     "gi": 2**30,
     "ti": 2**40,
 }
-_BANDWIDTH_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?(B|b|bit)?\s*(?:/s|ps)\s*$")
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s)\s*$")
+# NOTE: ASCII digits and spaces only (`\d` would take "５GB/s"); `µs` is matched literally.
+_BANDWIDTH_RE = re.compile(
+    r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?(B|b|bit)?\s*(?:/s|ps)\s*$", re.ASCII
+)
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s)\s*$", re.ASCII)
+
+MIN_BANDWIDTH = 1.0
+"""The slowest link accepted, bytes per second: below it a load's seconds leave floats."""
+MAX_LATENCY = 86_400.0
+"""The longest latency accepted, seconds (a day); a sum of several stays finite."""
 _SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -45,14 +56,15 @@ class TierLink:
     """Seconds before the first byte of one batched read."""
 
     def __post_init__(self) -> None:
-        if not _is_finite(self.bandwidth) or not self.bandwidth > 0:
+        if not is_real(self.bandwidth) or not self.bandwidth >= MIN_BANDWIDTH:
             raise ConfigError(
-                f"tier {self.name}: bandwidth must be a finite number > 0, "
-                f"got {self.bandwidth!r:.40}"
+                f"tier {self.name}: bandwidth must be a finite number > 0, at least 1 B/s, "
+                f"got {describe(self.bandwidth, 40)}"
             )
-        if not _is_finite(self.latency) or not self.latency >= 0:
+        if not is_real(self.latency) or not 0 <= self.latency <= MAX_LATENCY:
             raise ConfigError(
-                f"tier {self.name}: latency must be a finite number >= 0, got {self.latency!r:.40}"
+                f"tier {self.name}: latency must be a finite number of seconds from 0 to a day "
+                f"(86400), got {describe(self.latency, 40)}"
             )
 
     def load_seconds(self, num_bytes: float) -> float:
@@ -60,7 +72,7 @@ class TierLink:
         return self.latency + num_bytes / self.bandwidth if num_bytes > 0 else 0.0
 
 
-def _is_finite(value: object) -> bool:
+def is_real(value: object) -> bool:
     """Return whether `value` is a real number (not a bool) that a float holds finitely."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
@@ -94,8 +106,10 @@ def parse_bandwidth(text: str, *, where: str = "bandwidth") -> float:
     A lowercase `b` or `bit` means bits.
 
     Raises:
-        ConfigError: the text is not a bandwidth, or not a finite one.
+        ConfigError: the text is not a bandwidth, or not one from 1 B/s to a finite one.
     """
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: expected a bandwidth such as '50GB/s', got {describe(text)}")
     match = _BANDWIDTH_RE.match(text)
     if match is None:
         raise ConfigError(f"{where}: expected a bandwidth such as '50GB/s', got {text!r}")
@@ -105,8 +119,8 @@ def parse_bandwidth(text: str, *, where: str = "bandwidth") -> float:
         value /= 8
     if not math.isfinite(value):
         raise ConfigError(f"{where}: {text.strip()[:40]!r} is not a finite bandwidth")
-    if value <= 0:
-        raise ConfigError(f"{where}: must be > 0, got {text!r}")
+    if value < MIN_BANDWIDTH:
+        raise ConfigError(f"{where}: must be at least 1 B/s, got {text!r}")
     return value
 
 
@@ -114,14 +128,20 @@ def parse_duration(text: str, *, where: str = "latency") -> float:
     """Return seconds from text such as `"20us"`, `"1.5ms"` or `"0.02s"`.
 
     Raises:
-        ConfigError: the text is not a duration, or not a finite one.
+        ConfigError: the text is not a duration, or is longer than a day.
     """
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"{where}: expected a duration such as '20us' or '5ms', got {describe(text)}"
+        )
     match = _DURATION_RE.match(text)
     if match is None:
         raise ConfigError(f"{where}: expected a duration such as '20us' or '5ms', got {text!r}")
     value = float(match.group(1)) * _SECONDS[match.group(2)]
     if not math.isfinite(value):
         raise ConfigError(f"{where}: {text.strip()[:40]!r} is not a finite duration")
+    if value > MAX_LATENCY:
+        raise ConfigError(f"{where}: {text.strip()[:40]!r} is longer than a day")
     return value
 
 
@@ -133,6 +153,8 @@ def parse_tier_link(text: str) -> TierLink:
     Raises:
         ConfigError: a part is malformed.
     """
+    if not isinstance(text, str):
+        raise ConfigError(f"--tier: expected NAME[:BANDWIDTH[:LATENCY]], got {describe(text)}")
     name, *rest = text.split(":")
     name = name.strip()
     if not name or len(rest) > 2:

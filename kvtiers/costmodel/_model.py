@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtiers.core.checks import MAX_DIM, check_int
+from kvtiers.core.checks import MAX_BYTES, MAX_DIM, check_int, describe
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import DTYPE_SIZES, KVLayout
 
@@ -56,18 +56,26 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
-            raise ConfigError(f"model.name: expected a string, got {self.name!r:.40}")
+            raise ConfigError(f"model.name: expected a string, got {describe(self.name, 40)}")
         check_int("model.num_params", self.num_params, 1, MAX_PARAMS)
         check_int("model.total_params", self.total_params, 0, MAX_PARAMS)
         for name in ("num_layers", "num_heads", "head_size", "num_kv_heads", "kv_head_size"):
             check_int(f"model.{name}", getattr(self, name), 1, MAX_DIM)
         check_int("model.v_head_size", self.v_head_size, 0, MAX_DIM)  # 0: head_size
         check_int("model.max_context", self.max_context, 1, MAX_DIM)
-        if self.kind not in ("mha", "mla"):
-            raise ConfigError(f"model.kind: {self.kind!r:.40} is not 'mha' or 'mla'")
+        if not isinstance(self.kind, str) or self.kind not in ("mha", "mla"):
+            raise ConfigError(f"model.kind: {describe(self.kind, 40)} is not 'mha' or 'mla'")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise ConfigError(
-                f"model.dtype: {self.dtype!r:.40} is not one of {', '.join(DTYPE_SIZES)}"
+                f"model.dtype: {describe(self.dtype, 40)} is not one of {', '.join(DTYPE_SIZES)}"
+            )
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ConfigError("model.num_kv_heads: must be 1 for kind 'mla' (one latent)")
+        per_token = self.num_layers * (2 if self.kind == "mha" else 1) * self.num_kv_heads
+        per_token *= self.kv_head_size * DTYPE_SIZES[self.dtype]
+        if per_token > MAX_BYTES:
+            raise ConfigError(
+                f"model.kv_head_size: {per_token:,} bytes of KV per token is more than 1 EiB"
             )
 
     def layout(self, chunk_size: int = 256) -> KVLayout:
@@ -150,6 +158,8 @@ def load_model(spec: str) -> ModelSpec:
     Raises:
         ConfigError: no such preset or file, or the file lacks a field.
     """
+    if not isinstance(spec, str):
+        raise ConfigError(f"model: expected a preset name or a file path, got {describe(spec)}")
     preset = MODELS.get(spec.lower())
     if preset is not None:
         return preset

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtiers.core.checks import MAX_DIM, is_int
+from kvtiers.core.checks import MAX_DIM, describe, is_int
 from kvtiers.core.config import format_size
 from kvtiers.core.errors import ConfigError
-from kvtiers.costmodel._links import TierLink
+from kvtiers.costmodel._links import TierLink, is_real
 from kvtiers.costmodel._model import GPUS, ModelSpec
 
 __all__ = [
@@ -40,9 +39,11 @@ class Compute:
     """Where the figure comes from, for reports."""
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.flops_per_s) or not self.flops_per_s > 0:
+        # NOTE: at least 1 FLOP/s, so that every prefill time stays a finite float.
+        if not is_real(self.flops_per_s) or not self.flops_per_s >= 1:
             raise ConfigError(
-                f"compute: expected a finite FLOP/s > 0, got {self.flops_per_s} ({self.label})"
+                f"compute: expected a finite FLOP/s >= 1, got {describe(self.flops_per_s, 40)} "
+                f"({self.label})"
             )
 
     def prefill_seconds(self, model: ModelSpec, num_new: int, num_cached: int = 0) -> float:
@@ -71,16 +72,20 @@ def make_compute(
     Raises:
         ConfigError: unknown GPU, or a value out of range.
     """
-    if not 0 < mfu <= 1:
-        raise ConfigError(f"mfu: expected a share in (0, 1], got {mfu}")
+    if not is_real(mfu) or not 0 < mfu <= 1:
+        raise ConfigError(f"mfu: expected a share in (0, 1], got {describe(mfu, 40)}")
     if measured:
-        rates = [_measured_rate(model, tokens, seconds) for tokens, seconds in measured]
-        rate = sum(rates) / len(rates)
+        rates = [_measured_rate(model, point) for point in measured]
+        rate = sum(r / len(rates) for r in rates)  # NOTE: a sum of the rates may overflow
         return Compute(rate, f"measured ({len(rates)} point(s)): {rate / 1e12:.0f} TFLOP/s")
     if tflops is not None:
-        if not math.isfinite(tflops * 1e12 * mfu) or not tflops > 0:
-            raise ConfigError(f"tflops: expected a finite number > 0, got {tflops}")
+        if not is_real(tflops) or not tflops > 0 or not is_real(tflops * 1e12 * mfu):
+            raise ConfigError(f"tflops: expected a finite number > 0, got {describe(tflops, 40)}")
+        if tflops * 1e12 * mfu < 1:
+            raise ConfigError(f"tflops: {tflops:g} x {mfu:g} utilisation is below 1 FLOP/s")
         return Compute(tflops * 1e12 * mfu, f"{tflops:g} TFLOP/s x {mfu:.2f} utilisation")
+    if not isinstance(gpu, str):
+        raise ConfigError(f"gpu: expected one of {', '.join(GPUS)}, got {describe(gpu, 40)}")
     spec = GPUS.get(gpu.upper())
     if spec is None:
         raise ConfigError(f"gpu: {gpu!r} is not one of {', '.join(GPUS)}")
@@ -90,22 +95,27 @@ def make_compute(
     )
 
 
-def _measured_rate(model: ModelSpec, tokens: int, seconds: float) -> float:
-    """Return the FLOP/s of one measured prefill.
+def _measured_rate(model: ModelSpec, point: object) -> float:
+    """Return the FLOP/s of one measured prefill, a (tokens, seconds) pair.
 
     Raises:
-        ConfigError: tokens not in [1, `MAX_DIM`], seconds not finite and > 0, or a rate
-            that is not finite.
+        ConfigError: not a pair, tokens not in [1, `MAX_DIM`], seconds not finite and > 0,
+            or a rate that is not finite or below 1 FLOP/s.
     """
-    given = f"{tokens!r:.40}:{seconds!r:.40}"
+    if not isinstance(point, tuple | list) or len(point) != 2:
+        raise ConfigError(f"measured: expected (TOKENS, SECONDS) pairs, got {describe(point)}")
+    tokens, seconds = point
+    given = f"{describe(tokens, 40)}:{describe(seconds, 40)}"
     if not is_int(tokens) or not 1 <= tokens <= MAX_DIM:
         raise ConfigError(f"measured: TOKENS must be an integer in [1, {MAX_DIM}], got {given}")
-    if not math.isfinite(seconds) or not seconds > 0:
+    if not is_real(seconds) or not seconds > 0:
         raise ConfigError(f"measured: SECONDS must be a finite number > 0, got {given}")
     rate = model.prefill_flops(tokens) / seconds
-    if not math.isfinite(rate):
+    if not is_real(rate):
         raise ConfigError(f"measured: {given} is not a finite throughput (too few seconds)")
-    return rate
+    if rate < 1:
+        raise ConfigError(f"measured: {given} is below 1 FLOP/s (too many seconds)")
+    return float(rate)
 
 
 def ttft_seconds(
