@@ -20,23 +20,20 @@ files of an lmdb tier, or of a remote tier on a local filesystem, are synced and
 from the page cache (an lmdb tier's cache is closed first and reopened after, as a process
 that maps the file keeps its pages), and `mincore` checks how much stayed. Other processes
 reading those files then read them from the disk too.
+
+The timing itself is `kvtiers._benchtiming`; the cache of one tier, `kvtiers._benchcache`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import secrets
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvtiers._benchcache import BenchCache
-from kvtiers._endpoints import Chunk
-from kvtiers._tensors import torch_dtype
+from kvtiers._benchtiming import Timings, measure
 from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, TierConfig
 from kvtiers.core.errors import ConfigError, KVTiersError
@@ -55,8 +52,6 @@ __all__ = ["BenchReport", "TierBench", "bench_config", "default_chunks"]
 _DEFAULT_BYTES = 256 * 2**20  # a batch of at most this much by default...
 _MIN_CHUNKS = 2  # ...but at least this many chunks...
 _MAX_DEFAULT_CHUNKS = 1024  # ...and at most this many (one object each on a remote store)
-_LATENCY_READS = 9  # single-chunk reads after one warm-up; the median is kept
-_READ_ROUNDS = 3  # batch reads; the median is kept
 _MAX_RESIDENT = 0.01  # a read counts as cold when no more of its tier's files stayed cached
 
 
@@ -111,13 +106,6 @@ class BenchReport:
     tiers: tuple[TierBench, ...]
     cold: bool = False
     """Whether the bench was asked for cold reads (`--cold`); each tier's `cold` says if so."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Timings:
-    write_seconds: float
-    chunk_read_seconds: float
-    read_seconds: float
 
 
 def default_chunks(layout: KVLayout) -> int:
@@ -216,7 +204,7 @@ async def _bench_open(
     if note:
         bench = _note(bench, note)
     try:
-        timed = await _measure(session, keys, device)
+        timed = await measure(session, keys, device)
     finally:
         cleanup, clean = await _clean_up(session.cache, session.tier, keys, block=block)
     bench = dataclasses.replace(bench, chunks=count, cleanup=cleanup, clean=clean)
@@ -230,7 +218,7 @@ async def _bench_open(
     return _figures(bench, timed, count * layout.chunk_bytes, layout.chunk_bytes)
 
 
-def _figures(bench: TierBench, timed: _Timings, num_bytes: int, chunk_bytes: int) -> TierBench:
+def _figures(bench: TierBench, timed: Timings, num_bytes: int, chunk_bytes: int) -> TierBench:
     read_bandwidth = num_bytes / max(timed.read_seconds, 1e-9)
     return dataclasses.replace(
         bench,
@@ -251,72 +239,6 @@ def _coldness(bench: TierBench, resident: float | None) -> TierBench:
         reads_from = f"partly warm ({resident:.0%} resident: another process maps the file)"
     cold = resident is not None and resident <= _MAX_RESIDENT
     return dataclasses.replace(bench, reads_from=reads_from, cold=cold, resident_fraction=resident)
-
-
-async def _measure(session: BenchCache, keys: list[ChunkKey], device: str) -> _Timings | str:
-    """Time the batch write, single-chunk reads and batch reads; or say what went wrong.
-
-    Before each timed read the session drops the tier's files from the page cache (with
-    `--cold`): once for single reads of chunks not yet read since, again for each batch.
-    """
-    chunks = _chunks(session.cache.layout, len(keys), device)
-    sync = _synchronizer(device)
-    start = time.perf_counter()
-    held = await session.cache.put_chunks(keys, chunks)
-    sync()
-    write_seconds = time.perf_counter() - start
-    if not all(held):
-        return f"the tier took {sum(held)} of {len(keys)} chunks"
-    singles: list[float] = []
-    read: set[int] = set()
-    for j in range(_LATENCY_READS + 1):
-        i = j % len(keys)
-        if not read or i in read:
-            if failed := await session.drop():
-                return failed
-            read.clear()
-        read.add(i)
-        start = time.perf_counter()
-        found = await session.cache.get_chunks([keys[i]], [chunks[i]])
-        sync()
-        singles.append(time.perf_counter() - start)
-        if not found[0]:
-            return f"chunk {i} did not read back"
-    rounds = []
-    for _ in range(_READ_ROUNDS):
-        if failed := await session.drop():
-            return failed
-        start = time.perf_counter()
-        found = await session.cache.get_chunks(keys, chunks)
-        sync()
-        rounds.append(time.perf_counter() - start)
-        if not all(found):
-            return f"a batch read found {sum(found)} of {len(keys)} chunks"
-    # NOTE: the first single read warms up (thread pools, connections); it is not kept.
-    return _Timings(write_seconds, statistics.median(singles[1:]), statistics.median(rounds))
-
-
-def _chunks(layout: KVLayout, count: int, device: str) -> list[Chunk]:
-    """Return `count` chunks of random bytes on `device`, every page touched.
-
-    They are the batch's sources, then its destinations; touched, so no first-touch page
-    fault is timed.
-    """
-    if device == "host":
-        rng = np.random.default_rng()
-        host = np.empty((count, layout.chunk_bytes), dtype=np.uint8)
-        host[:] = rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8)
-        return list(host)
-    raw = torch.randint(0, 256, (count, layout.chunk_bytes), dtype=torch.uint8, device=device)
-    typed = raw.view(torch_dtype(layout)).view(count, *layout.chunk_shape())
-    return list(typed)
-
-
-def _synchronizer(device: str) -> Callable[[], None]:
-    """Return what waits for the device's copies (a CUDA copy returns before it is done)."""
-    if not device.startswith("cuda"):
-        return lambda: None
-    return lambda: torch.cuda.synchronize(device)
 
 
 async def _clean_up(

@@ -405,7 +405,7 @@ def test_a_store_without_an_operation_fails_only_its_tier(tmp_path, capsys, monk
     async def unsupported(*args: object, **kwargs: object) -> None:
         raise NotImplementedError
 
-    monkeypatch.setattr(tierbench, "_measure", unsupported)
+    monkeypatch.setattr(tierbench, "measure", unsupported)
     assert main(["bench", str(write_config(tmp_path)), "--chunks", "4", "--json"]) == 1
     tiers = json.loads(capsys.readouterr().out)["tiers"]
     assert [t["status"] for t in tiers] == ["failed"] * 3
