@@ -264,10 +264,12 @@ def _cost_lines(report: ReplayReport, costs: CostSetup) -> list[str]:
     ]
     for link, be in zip(costs.links, costs.break_even(median), strict=True):
         verdict = "loading beats recompute" if link.bandwidth > be else "recompute is faster"
+        # NOTE: infinite when the latency alone outlasts the recompute (or nothing is computed).
+        rate = "never" if be == float("inf") else f"{be / 1e9:.2f} GB/s"
         lines.append(
             f"tier       {link.name}: {link.bandwidth / 1e9:.2f} GB/s, "
             f"{format_seconds(link.latency)}; "
-            f"break-even {be / 1e9:.2f} GB/s at the median prompt ({median:,} tokens): {verdict}"
+            f"break-even {rate} at the median prompt ({median:,} tokens): {verdict}"
         )
     return lines
 

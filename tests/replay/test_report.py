@@ -18,9 +18,10 @@ from kvtiers.replay import (
     from_config,
     parse_capacity,
     parse_policies,
+    read_trace,
     single_tier,
 )
-from tests.replay._factories import SYNTHETIC, trace_head
+from tests.replay._factories import SYNTHETIC, trace_head, write_lines
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +169,16 @@ def test_infinite_break_even_is_null_in_json(trace):
 def test_parse_capacity_share_is_exact():
     # 0.29 * 100 is 28.999... in floating point; the share is floored exactly.
     assert parse_capacity("29%", unique_blocks=100, block_bytes=None) == 29
+
+
+def test_a_break_even_that_never_comes_reads_never(tmp_path):
+    # Prompts of no tokens: the median is 0, recompute costs nothing, no bandwidth ties it.
+    empty = {"timestamp": 0, "input_length": 0, "output_length": 0, "hash_ids": []}
+    trace = read_trace(write_lines(tmp_path / "t.jsonl", [empty, empty]))
+    model = load_model("llama-3.1-8b")
+    costs = CostSetup(model, make_compute(model), (TierLink("dram", 50e9, 20e-6),))
+    report = build_report(trace, [single_tier(5, "lru")], costs=costs)
+    text = format_report(report)
+    assert "break-even never" in text and "inf GB/s" not in text
+    data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert data["cost"]["tiers"][0]["break_even_bandwidth"] is None
