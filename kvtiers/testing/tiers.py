@@ -205,6 +205,25 @@ class TierTests:
         for hit, src, dst in zip(expected, srcs, dsts, strict=True):
             assert np.array_equal(dst, src) if hit else (dst == _SENTINEL).all()
 
+    async def test_get_layers_fills_only_those_layers(self, tier: Tier) -> None:
+        keys, srcs = self.keys(3), self.payloads(3)
+        assert await tier.put(keys[:2], srcs[:2]) == [True, True]
+        step, last = self.layout.layer_bytes, self.layout.num_layers - 1
+        dsts = self.dsts(3)
+        hits_before = tier.counters.hits
+        assert await tier.get_layers(keys, [last], dsts, tally=False) == [True, True, False]
+        assert tier.counters.hits == hits_before  # tally off: a later wave of one load
+        for dst, src in zip(dsts[:2], srcs[:2], strict=True):
+            assert np.array_equal(dst[last * step :], src[last * step :])
+            assert (dst[: last * step] == _SENTINEL).all()
+        assert (dsts[2] == _SENTINEL).all()
+        _, views = self.strided(1)  # into a strided view of an engine's tensor
+        assert await tier.get_layers(keys[:1], [0], views) == [True]
+        flat = np.ascontiguousarray(views[0]).reshape(-1)
+        assert np.array_equal(flat[:step], srcs[0][:step]) and not flat[step:].any()
+        with pytest.raises(InvalidInputError):
+            await tier.get_layers(keys[:1], [self.layout.num_layers], self.dsts(1))
+
     # -- accounting ------------------------------------------------------------------------
 
     async def test_usage_accounting(self, tier: Tier) -> None:

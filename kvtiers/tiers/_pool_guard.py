@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import ConfigError, InvalidInputError
-from kvtiers.core.keys import KEY_BYTES, ChunkKey
+from kvtiers.core.errors import ConfigError
+from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierCounters
 from kvtiers.tiers import _chunk_format as fmt
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, StoreUnavailable
 from kvtiers.tiers._remote_options import Redactor
-from kvtiers.tiers.base import Buffer
+from kvtiers.tiers.base import Buffer, check_keys
 
 __all__ = [
     "PutPlan",
@@ -136,13 +136,6 @@ class StoreGuard:
             )
         else:
             logger.debug("kvtiers: %s: %s", self.label, self.describe(exc))
-
-
-def check_keys(keys: Sequence[ChunkKey]) -> None:
-    """Raise `InvalidInputError` for the first key that is not a chunk key."""
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise InvalidInputError(f"keys[{i}]: expected a {KEY_BYTES}-byte key, got {key!r:.60}")
 
 
 @dataclass(frozen=True, slots=True)

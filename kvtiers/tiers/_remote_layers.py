@@ -12,18 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from kvtiers.core.checks import is_int
-from kvtiers.core.errors import InvalidInputError
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _chunk_format as fmt
-from kvtiers.tiers.base import Buffer
+from kvtiers.tiers._layers import Pieces, check_layers, write_layers
 
 __all__ = ["LayerPlan", "Pieces", "write_layers"]
-
-Pieces = list[tuple[int, memoryview]]
-"""`(layer index, that layer's bytes)` pairs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +29,10 @@ class LayerPlan:
     runs: tuple[tuple[int, int], ...]
     """`[first, end)` runs of consecutive layers."""
     ranges: tuple[tuple[int, int], ...]
-    """`[start, end)` byte ranges: the header, then one per run."""
+    """`[start, end)` byte ranges: the header, then one per run; a run from layer 0 is
+    read with the header, in its range."""
+    header_len: int
+    """The header's planned size, length prefix included."""
 
     @classmethod
     def make(cls, layers: Sequence[int], layout: KVLayout, header_len: int) -> LayerPlan:
@@ -45,12 +41,7 @@ class LayerPlan:
         Raises:
             InvalidInputError: `layers` is empty, or holds repeated or out-of-range indices.
         """
-        num = layout.num_layers
-        if any(not is_int(i) or not 0 <= i < num for i in layers):
-            raise InvalidInputError(f"layers: expected indices in [0, {num}), got {layers!r}")
-        wanted = sorted(layers)
-        if not wanted or len(set(wanted)) != len(wanted):
-            raise InvalidInputError(f"layers: expected distinct layer indices, got {layers!r}")
+        wanted = check_layers(layers, layout.num_layers)
         runs: list[tuple[int, int]] = []
         for layer in wanted:
             if runs and runs[-1][1] == layer:
@@ -58,11 +49,12 @@ class LayerPlan:
             else:
                 runs.append((layer, layer + 1))
         step = layout.layer_bytes
-        ranges = [
-            (0, header_len),
-            *((header_len + a * step, header_len + b * step) for a, b in runs),
-        ]
-        return cls(layout, tuple(wanted), tuple(runs), tuple(ranges))
+        ranges = [(header_len + a * step, header_len + b * step) for a, b in runs]
+        if runs[0][0] == 0:  # the header and layer 0 on are one range: one request less
+            ranges[0] = (0, ranges[0][1])
+        else:
+            ranges.insert(0, (0, header_len))
+        return cls(layout, wanted, tuple(runs), tuple(ranges), header_len)
 
     def verify(self, parts: Sequence[Any], *, fingerprint: bytes, key: bytes) -> Pieces | None:
         """Return each layer read, verified; `None` if any range or check fails.
@@ -72,8 +64,18 @@ class LayerPlan:
             fingerprint: the layout fingerprint the reader expects.
             key: the key the object was read under.
         """
+        got = self.verify_all(parts, fingerprint=fingerprint, key=key)
+        return None if got is None else got[1]
+
+    def verify_all(
+        self, parts: Sequence[Any], *, fingerprint: bytes, key: bytes
+    ) -> tuple[fmt.Header, Pieces] | None:
+        """`verify`, also returning the checked header (for `run_ranges` reads later)."""
         if len(parts) != len(self.ranges) or any(not isinstance(p, bytes) for p in parts):
             return None
+        if self.runs[0][0] == 0:  # split the header from the layers read with it
+            joined = memoryview(parts[0])
+            parts = [joined[: self.header_len], joined[self.header_len :], *parts[1:]]
         verdict, header = fmt.check_header(
             parts[0],
             fingerprint=fingerprint,
@@ -83,8 +85,22 @@ class LayerPlan:
         )
         if header is None or verdict is not fmt.Verdict.OK:
             return None
+        pieces = self.verify_runs(header, parts[1:])
+        return None if pieces is None else (header, pieces)
+
+    def run_ranges(self, header: fmt.Header) -> list[tuple[int, int]]:
+        """Return the byte ranges of the runs alone, for an object whose header is known."""
+        off, step = header.payload_offset, self.layout.layer_bytes
+        return [(off + a * step, off + b * step) for a, b in self.runs]
+
+    def verify_runs(self, header: fmt.Header, parts: Sequence[Any]) -> Pieces | None:
+        """Check the runs read (one part per run) against `header`'s per-layer checksums."""
+        if len(parts) != len(self.runs):
+            return None
         step, pieces = self.layout.layer_bytes, []
-        for (first, end), part in zip(self.runs, parts[1:], strict=True):
+        for (first, end), part in zip(self.runs, parts, strict=True):
+            if not isinstance(part, bytes | memoryview):
+                return None
             view = memoryview(part)
             if view.nbytes != (end - first) * step:
                 return None
@@ -99,19 +115,3 @@ class LayerPlan:
         """Return the planned layers of a whole, verified payload."""
         step = self.layout.layer_bytes
         return [(i, payload[i * step : (i + 1) * step]) for i in self.layers]
-
-
-def write_layers(dst: Buffer, pieces: Pieces, num_layers: int) -> None:
-    """Write each `(layer, bytes)` into its slice of the chunk buffer `dst`, nothing else."""
-    if dst.flags.c_contiguous:
-        flat = dst.reshape(-1)
-        for layer, piece in pieces:
-            step = piece.nbytes
-            flat[layer * step : (layer + 1) * step] = np.frombuffer(piece, np.uint8)
-    elif dst.ndim > 1 and dst.shape[0] == num_layers:  # layer-major view: dst[i] is layer i
-        for layer, piece in pieces:
-            np.copyto(dst[layer], np.frombuffer(piece, np.uint8).reshape(dst[layer].shape))
-    else:  # any other strided view: edit a copy, write it back whole
-        flat = np.ascontiguousarray(dst).reshape(-1)
-        write_layers(flat, pieces, num_layers)
-        np.copyto(dst, flat.reshape(dst.shape))

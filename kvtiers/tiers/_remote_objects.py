@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.stats import TierCounters
-from kvtiers.tiers._chunk_format import Verdict
+from kvtiers.tiers._chunk_format import Header, Verdict
 from kvtiers.tiers._read_buffers import ReadBuffers
 from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
 from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path
@@ -28,6 +28,8 @@ from kvtiers.tiers._remote_layers import LayerPlan, Pieces
 from kvtiers.tiers.base import Buffer
 
 __all__ = ["ChunkObjects"]
+
+_HEADERS_KEPT = 4096  # verified headers kept for later waves of layer-wise loads
 
 
 class ChunkObjects:
@@ -54,6 +56,9 @@ class ChunkObjects:
         self._store, self._codec, self._catalog, self._log = store, codec, catalog, log
         self._counters, self._buffers = counters, buffers
         self._put_slots = asyncio.Semaphore(store.options.max_in_flight)  # packed values held
+        # NOTE: a dict as a bounded insertion-ordered map: the oldest header goes first.
+        self._headers: dict[ChunkKey, Header] = {}
+        """Headers verified by recent ranged reads (`read_layers`), oldest first."""
         self.stragglers = Stragglers()
         """Requests a call stopped waiting for (the tier's, shared with its reads)."""
 
@@ -68,11 +73,14 @@ class ChunkObjects:
         found: Sequence[tuple[Verdict | None, int]],
         now: float,
         deadline: float = math.inf,
+        *,
+        tally: bool = True,
     ) -> None:
         """Count a batch's reads, record its hits' recency, delete its bad objects.
 
         `found` holds each key's verdict (`None`: not read) and object size. The deletes
-        are waited for until `deadline` (`time.monotonic()`), then left to run.
+        are waited for until `deadline` (`time.monotonic()`), then left to run. With
+        `tally` off, hits and misses are not counted (a later wave of a layer-wise load).
         """
         counters = self._counters
         hit_keys, bad = [], []
@@ -86,8 +94,9 @@ class ChunkObjects:
                 counters.corrupt += verdict in (Verdict.CORRUPT, Verdict.FORGED)
                 counters.forged += verdict is Verdict.FORGED
                 counters.foreign += verdict is Verdict.FOREIGN
-        counters.hits += len(hit_keys)
-        counters.misses += len(keys) - len(hit_keys)
+        if tally:
+            counters.hits += len(hit_keys)
+            counters.misses += len(keys) - len(hit_keys)
         self._catalog.touch(hit_keys, now)
         self._log.record(hit_keys, now)
         if bad:
@@ -132,20 +141,38 @@ class ChunkObjects:
         object, or the store failed.
         """
         if self._codec.auth_key is None:
+            known = self._headers.get(key)
+            path = object_path(self.namespace, key)
+            ranges = list(plan.ranges) if known is None else plan.run_ranges(known)
             try:
-                parts = await self._store.cat_ranges(
-                    object_path(self.namespace, key), list(plan.ranges)
-                )
+                parts = await self._store.cat_ranges(path, ranges)
             except StoreUnavailable as exc:
                 self._counters.fail(timed_out=exc.timed_out)
                 return None
             if parts is None:
                 self._catalog.remove(key)
                 return None
-            pieces = plan.verify(parts, fingerprint=self._codec.fingerprint, key=key)
-            if pieces is not None:
-                return pieces
+            if known is not None:
+                got = None if (p := plan.verify_runs(known, parts)) is None else (known, p)
+            else:
+                got = plan.verify_all(parts, fingerprint=self._codec.fingerprint, key=key)
+            if got is not None:
+                self._remember_header(key, got[0])
+                return got[1]
+            self._headers.pop(key, None)
         return await self.fetch(key)
+
+    def _remember_header(self, key: ChunkKey, header: Header) -> None:
+        """Keep a verified header, so the next ranged read of `key` skips it (bounded).
+
+        NOTE: a layer-wise load reads one object in several waves; the first checks the
+        header, the others read their layers alone and check them against it. An object
+        replaced meanwhile fails that check and is then read whole, so a stale header
+        costs one read, never a wrong byte.
+        """
+        self._headers[key] = header
+        if len(self._headers) > _HEADERS_KEPT:
+            del self._headers[next(iter(self._headers))]
 
     async def write(self, key: ChunkKey, src: Buffer, now: float) -> bool:
         """Store the chunk `src` under `key`; return whether it was stored.
@@ -178,4 +205,5 @@ class ChunkObjects:
             self._counters.fail(timed_out=exc.timed_out)
             return False
         self._log.forget([key])
+        self._headers.pop(key, None)  # type: ignore[call-overload]
         return self._catalog.remove(key)

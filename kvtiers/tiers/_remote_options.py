@@ -23,6 +23,7 @@ __all__ = ["RemoteOptions", "Redactor", "display_url"]
 _OPTIONS = (
     "breaker_cooldown",
     "breaker_failures",
+    "layer_reads",
     "max_in_flight",
     "read_timeout",
     "retries",
@@ -69,6 +70,12 @@ class RemoteOptions:
 
     A scan lists the namespace (one request per 1000 objects) and reads every process's
     access log, so on a large pool it is not free."""
+    layer_reads: bool | None = None
+    """Whether a layer-wise load reads objects wave by wave as byte ranges (one request
+    per object and wave) rather than whole. `None` (the default): on a local filesystem
+    (`file://`), where it pays, off on other stores, where each request's latency can
+    cost more than the waves save (docs/benchmarks.md); set it for a store whose reads
+    are bound by bandwidth rather than by requests."""
 
     @classmethod
     def from_config(cls, config: TierConfig) -> RemoteOptions:
@@ -104,6 +111,7 @@ class RemoteOptions:
             breaker_cooldown=_seconds(raw, "breaker_cooldown", 5.0, where),
             ttl=None if ttl is None else _seconds(raw, "ttl", 0.0, where),
             scan_interval=_seconds(raw, "scan_interval", 300.0, where, allow_zero=True),
+            layer_reads=_flag(raw, "layer_reads", where),
         )
 
 
@@ -111,6 +119,15 @@ def _int(raw: dict[str, Any], name: str, default: int, minimum: int, where: str)
     value = raw.get(name, default)
     if not is_int(value) or value < minimum:
         raise ConfigError(f"{where}.{name}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _flag(raw: dict[str, Any], name: str, where: str) -> bool | None:
+    if name not in raw:
+        return None
+    value = raw[name]
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{name}: expected true or false, got {value!r}")
     return value
 
 

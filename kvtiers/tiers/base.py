@@ -14,11 +14,12 @@ import numpy.typing as npt
 
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
-from kvtiers.core.keys import ChunkKey
+from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierCounters, TierStats, TierUsage
+from kvtiers.tiers._layers import check_layers, write_layers
 
-__all__ = ["Buffer", "Tier", "TierState", "check_option_keys"]
+__all__ = ["Buffer", "Tier", "TierState", "check_keys", "check_option_keys"]
 
 Buffer = npt.NDArray[np.uint8]
 """A chunk's bytes: a uint8 array of `layout.chunk_bytes` bytes, any shape, any strides.
@@ -40,6 +41,13 @@ def check_option_keys(config: TierConfig, kind: str, allowed: Iterable[str]) -> 
         raise ConfigError(
             f"{config.where}.{unknown[0]}: unknown option for kind {kind!r}; expected {expected}"
         )
+
+
+def check_keys(keys: Sequence[ChunkKey]) -> None:
+    """Raise `InvalidInputError` for the first key that is not a chunk key."""
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise InvalidInputError(f"keys[{i}]: expected a {KEY_BYTES}-byte key, got {key!r:.60}")
 
 
 class TierState(enum.Enum):
@@ -169,6 +177,58 @@ class Tier(ABC):
     @abstractmethod
     def usage(self) -> TierUsage:
         """Return the tier's capacity and what it holds now."""
+
+    @property
+    def layer_reads(self) -> bool:
+        """Whether `get_layers` reads only the layers asked for (else it reads whole chunks).
+
+        A layer-wise load (`TieredCache.load` with `on_layers`) reads such a tier wave by
+        wave; another tier is read whole in one call.
+        """
+        return False
+
+    async def get_layers(
+        self,
+        keys: Sequence[ChunkKey],
+        layers: Sequence[int],
+        dsts: Sequence[Buffer],
+        *,
+        tally: bool = True,
+    ) -> list[bool]:
+        """Fill only `layers` of each destination; bytes of other layers are left alone.
+
+        The default reads each chunk whole into a scratch buffer (verified as `get`
+        verifies) and copies the layers out; tiers with `layer_reads` read only them.
+
+        Args:
+            keys: the chunks.
+            layers: layer indices, the same for every chunk.
+            dsts: full chunk buffers, as for `get`.
+            tally: whether the call counts its hits and misses; the later waves of one
+                layer-wise load pass `False`, so a chunk counts once.
+
+        Returns:
+            For each key, whether its layers were delivered.
+
+        Raises:
+            InvalidInputError: a layer index is out of range or repeated, or a buffer is not
+                one chunk.
+        """
+        self._check_buffers(keys, dsts)
+        wanted = check_layers(layers, self.layout.num_layers)
+        if not keys:
+            return []
+        before = (self.counters.hits, self.counters.misses)
+        scratch = np.empty((len(keys), self.layout.chunk_bytes), dtype=np.uint8)
+        found = await self.get(keys, list(scratch))
+        if not tally:
+            self.counters.hits, self.counters.misses = before
+        step = self.layout.layer_bytes
+        for row, dst, hit in zip(scratch, dsts, found, strict=True):
+            if hit:
+                pieces = [(i, row.data[i * step : (i + 1) * step]) for i in wanted]
+                write_layers(dst, pieces, self.layout.num_layers)
+        return found
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - an optional hook
         """Record that `keys` are about to be read, as recency for the tier's own eviction.

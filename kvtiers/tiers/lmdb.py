@@ -16,8 +16,8 @@ import lmdb
 import numpy as np
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError, TierIOError
-from kvtiers.core.keys import KEY_BYTES, ChunkKey
+from kvtiers.core.errors import CacheStateError, ConfigError, TierIOError
+from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _lmdb_format as fmt
@@ -26,7 +26,7 @@ from kvtiers.tiers._lmdb_format import Databases, Verdict, Writer
 from kvtiers.tiers._lmdb_health import WriteHealth
 from kvtiers.tiers._lmdb_options import LMDBOptions, open_env
 from kvtiers.tiers._lmdb_writes import PendingTouches, ValuePacker, record_touches, store_new
-from kvtiers.tiers.base import Buffer, Tier
+from kvtiers.tiers.base import Buffer, Tier, check_keys
 
 __all__ = ["LMDBOptions", "LMDBTier"]
 
@@ -196,7 +196,7 @@ class LMDBTier(Tier):
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         return (await self._run([functools.partial(self._contains, keys)]))[0]
 
     def _contains(self, keys: Sequence[ChunkKey], cancel: threading.Event) -> list[bool]:
@@ -215,7 +215,7 @@ class LMDBTier(Tier):
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         self._check_buffers(keys, dsts)
         step = max(1, -(-len(keys) // self._parts))
         jobs = [
@@ -279,7 +279,7 @@ class LMDBTier(Tier):
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         self._check_buffers(keys, srcs)
         if not keys:
             return []
@@ -290,7 +290,7 @@ class LMDBTier(Tier):
     ) -> list[bool]:
         plan = functools.partial(self._store, keys, srcs)
         try:
-            done = self._write(plan, cancel)
+            done = self._write_freeing_dead_readers(plan, cancel)
         except lmdb.MapFullError:
             # NOTE: the map filled up before the capacity: free twice the batch's size, then
             # retry once. LMDB reuses the pages a transaction frees only two commits later
@@ -324,6 +324,24 @@ class LMDBTier(Tier):
             self.counters.declined += num_declined
         return [key in held for key in keys]
 
+    def _write_freeing_dead_readers(
+        self, fn: Callable[[Writer], _T], cancel: threading.Event
+    ) -> _T | None:
+        """`_write`; on a full map, free dead processes' reader slots and try once more.
+
+        NOTE: a process killed mid-read leaves its reader slot, which pins the snapshot it
+        read: pages freed since cannot be reused, so the map fills although the capacity
+        holds. Opening a path frees such slots; a cache that stays open frees them here.
+        """
+        try:
+            return self._write(fn, cancel)
+        except lmdb.MapFullError:
+            env, _ = self._handles()
+            if not env.reader_check():
+                raise
+            logger.info("kvtiers: lmdb tier %s freed reader slots of dead processes", self.name)
+            return self._write(fn, cancel)
+
     def _store(
         self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], writer: Writer
     ) -> tuple[set[bytes], int, int]:
@@ -354,7 +372,7 @@ class LMDBTier(Tier):
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
         self._ensure_open()
-        _check_keys(keys)
+        check_keys(keys)
         if keys:
             await self._run([functools.partial(self._delete, keys)])
 
@@ -382,9 +400,3 @@ class LMDBTier(Tier):
             "  hint        writemap = true writes chunks this large about twice as fast",
             "              (the map's file is then allocated whole, to its map size, at open)",
         ]
-
-
-def _check_keys(keys: Sequence[ChunkKey]) -> None:
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise InvalidInputError(f"keys[{i}]: expected a {KEY_BYTES}-byte key, got {key!r:.60}")

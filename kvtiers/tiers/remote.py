@@ -312,27 +312,33 @@ class RemoteTier(Tier):
 
     # -- layer-wise reads --------------------------------------------------------------
 
+    @property
+    def layer_reads(self) -> bool:
+        """Whether `get_layers` reads byte ranges: as the `layer_reads` option says (by
+        default on a local filesystem only), and never with integrity on.
+
+        A tag covers the whole payload, so with an `auth_key` every read is whole.
+        """
+        wanted = self.options.layer_reads
+        if wanted is None:
+            wanted = self._store.local
+        return wanted and self._codec.auth_key is None
+
     async def get_layers(
-        self, keys: Sequence[ChunkKey], layers: Sequence[int], dsts: Sequence[Buffer]
+        self,
+        keys: Sequence[ChunkKey],
+        layers: Sequence[int],
+        dsts: Sequence[Buffer],
+        *,
+        tally: bool = True,
     ) -> list[bool]:
         """Fill only `layers` of each destination, reading them as byte ranges.
 
         The header and each run of consecutive layers are one range each (`cat_ranges`);
         the header is checked and each layer verified by its own checksum before a byte
         reaches the destination. A chunk whose ranged read does not verify is read whole
-        and judged like `get` (a bad object is deleted and counted).
-
-        Args:
-            keys: the chunks.
-            layers: layer indices, the same for every chunk.
-            dsts: full chunk buffers, as for `get`; bytes of other layers are left alone.
-
-        Returns:
-            For each key, whether its layers were delivered.
-
-        Raises:
-            InvalidInputError: a layer index is out of range or repeated, or a buffer is not
-                one chunk.
+        and judged like `get` (a bad object is deleted and counted). Arguments as for
+        `Tier.get_layers`.
         """
         self._ensure_open()
         check_keys(keys)
@@ -351,7 +357,7 @@ class RemoteTier(Tier):
             self._codec.deliver_layers(k, g, plan, d)
             for k, g, d in zip(keys, got, dsts, strict=True)
         )
-        await self._objects.after_read(keys, found, self.clock(), deadline)
+        await self._objects.after_read(keys, found, self.clock(), deadline, tally=tally)
         hits = [verdict is Verdict.OK for verdict, _ in found]
         self.counters.bytes_read += sum(hits) * len(plan.layers) * self.layout.layer_bytes
         return hits

@@ -1,3 +1,4 @@
+import asyncio
 import dataclasses
 import json
 import os
@@ -495,3 +496,43 @@ def test_dropping_earlier_touches_keeps_the_recency_order(batches: list[list[byt
     kept = last_touches(batches)
     assert _recency(kept) == _recency(batches)
     assert sum(map(len, kept)) == len({key for batch in batches for key in batch})
+
+
+DEAD_READER = textwrap.dedent(
+    """
+    import os, sys, time
+    import lmdb
+    env = lmdb.open(sys.argv[1], subdir=True, max_dbs=8, readonly=True, lock=True)
+    txn = env.begin()  # a reader slot, pinning this snapshot
+    open(sys.argv[2], "w").close()
+    time.sleep(60)
+    """
+)
+
+
+async def test_a_dead_reader_does_not_fill_the_map_of_a_long_running_tier(
+    tmp_path: Path,
+) -> None:
+    """A process killed mid-read keeps its reader slot, pinning an old snapshot, so the
+    pages freed by evictions since cannot be reused and the map fills up although the
+    capacity holds. The tier frees dead readers' slots when that happens, and goes on
+    storing at its full capacity (a real process, killed with SIGKILL)."""
+    path, ready = tmp_path / "db", tmp_path / "ready"
+    config = make_config(path, num_chunks=16, map_size="1MiB")
+    async with LMDBTier(config, SMALL_LAYOUT) as tier:
+        assert all(await tier.put(keys(16, seed=1), payloads(16)))
+        child = subprocess.Popen([sys.executable, "-c", DEAD_READER, str(path), str(ready)])
+        try:
+            for _ in range(200):
+                if ready.exists():
+                    break
+                await asyncio.sleep(0.05)
+            assert ready.exists(), "the reader did not start"
+        finally:
+            child.kill()
+            child.wait()
+        limit = tier._limit
+        for seed in range(2, 100):  # 16 chunks churned 49 times over
+            assert all(await tier.put(keys(8, seed=seed), payloads(8, seed=seed)))
+        assert tier._limit == limit  # the map never held less than the capacity
+        assert not tier._health.map_was_full
