@@ -20,6 +20,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.copy_engine import CopyEngine
 from kvtiers.gpu.handle import CopyHandle
 from kvtiers.gpu.paged import PagedKV, payload_tensor
+from kvtiers.tiers._layers import write_layers
 from kvtiers.tiers.base import Buffer
 
 __all__ = [
@@ -49,6 +50,13 @@ class Sink(ABC):
     @abstractmethod
     async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         """Copy chunk `idxs[j]` from `views[j]`; done with the views on return."""
+
+    async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
+        """Copy only `layers` of chunk `idxs[j]` from `views[j]` (the rest may be stale).
+
+        Sinks that take whole chunks only (an engine's pages) do not override it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes whole chunks only")
 
 
 class Source(ABC):
@@ -91,6 +99,17 @@ class TensorSink(Sink):
                 np.copyto(dst, view.reshape(dst.shape))
             else:
                 self._out.narrow(2, idx * size, size).copy_(payload_tensor(self._layout, view))
+
+    async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
+        # docstring inherited
+        size, part = self._layout.chunk_size, slice(layers.start, layers.stop)
+        for idx, view in zip(idxs, views, strict=True):
+            dst = self.direct(idx)
+            if dst is not None and isinstance(view, np.ndarray):
+                _copy_layers(dst, view, layers, self._layout)
+            else:
+                src = payload_tensor(self._layout, view)[part]
+                self._out[part].narrow(2, idx * size, size).copy_(src)
 
 
 class TensorSource(Source):
@@ -148,6 +167,25 @@ class ChunkSink(Sink):
                 target = self._dsts[idx]
                 assert isinstance(target, torch.Tensor)
                 target.copy_(payload_tensor(self._layout, view))
+
+    async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
+        # docstring inherited
+        part = slice(layers.start, layers.stop)
+        for idx, view in zip(idxs, views, strict=True):
+            dst = self._bytes[idx]
+            if dst is not None and isinstance(view, np.ndarray):
+                _copy_layers(dst, view, layers, self._layout)
+            else:
+                target = self._dsts[idx]
+                assert isinstance(target, torch.Tensor)
+                target[part].copy_(payload_tensor(self._layout, view)[part])
+
+
+def _copy_layers(dst: Buffer, view: Buffer, layers: range, layout: KVLayout) -> None:
+    """Copy `layers` of the chunk bytes `view` (C-contiguous) into the chunk buffer `dst`."""
+    flat, step = view.reshape(-1), layout.layer_bytes
+    pieces = [(i, flat.data[i * step : (i + 1) * step]) for i in layers]
+    write_layers(dst, pieces, layout.num_layers)
 
 
 class ChunkSource(Source):

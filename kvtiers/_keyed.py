@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvtiers._activity import Activity, tracked
 from kvtiers._endpoints import ChunkSink, ChunkSource
 from kvtiers._movement import Mover
+from kvtiers._streaming import OnLayers, gather_layerwise
 from kvtiers._tally import CallTally
 from kvtiers._tensors import check_chunks
 from kvtiers.core.errors import InvalidInputError, TokenError
@@ -91,7 +92,12 @@ class KeyLevelAPI:
 
     @tracked
     async def get_chunks(
-        self, keys: Any, dsts: Any, *, parent: ChunkKey | None = None
+        self,
+        keys: Any,
+        dsts: Any,
+        *,
+        parent: ChunkKey | None = None,
+        on_layers: OnLayers | None = None,
     ) -> list[bool]:
         """Fill `dsts[i]` with the chunk of `keys[i]` wherever some tier holds it.
 
@@ -106,6 +112,9 @@ class KeyLevelAPI:
                 a uint8 NumPy array of `chunk_bytes` bytes in payload order; host memory is
                 filled by the tiers directly.
             parent: the key of the chunk before `keys[0]` in its chain, if any.
+            on_layers: makes the read layer-wise, as for `load`; `num_tokens` then counts
+                the leading run of `keys` (times `chunk_size`) whose layers are final.
+                Pass only keys expected to hit: a missing key holds the waves back.
 
         Returns:
             Per key, whether its chunk was delivered.
@@ -118,7 +127,11 @@ class KeyLevelAPI:
         keys = _check_keys(keys)
         _check_parent(parent)
         tensors = check_chunks(self.layout, dsts, len(keys), "dsts", writable=True)
-        found = await self._mover.gather(keys, ChunkSink(self.layout, tensors))
+        sink = ChunkSink(self.layout, tensors)
+        if on_layers is not None:
+            found = await gather_layerwise(self._mover, keys, sink, self.layout, on_layers)
+        else:
+            found = await self._mover.gather(keys, sink)
         if parent is not None and keys:
             self._index.attach(keys[0], parent)
         self._record_load(sum(found), start)

@@ -16,27 +16,25 @@ import torch
 from kvtiers._activity import Activity, tracked
 from kvtiers._cascade import build_slots
 from kvtiers._endpoints import (
-    PagedSink,
-    PagedSource,
     TensorSink,
     TensorSource,
 )
 from kvtiers._keyed import KeyLevelAPI, Salt
 from kvtiers._movement import Mover
+from kvtiers._observe import ObservedCache
+from kvtiers._paged_api import PagedAPI
 from kvtiers._salts import SaltWitness
+from kvtiers._streaming import OnLayers, load_layerwise
 from kvtiers._tally import CallTally
 from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
-from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
-from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
+from kvtiers.core.errors import CacheStateError, ConfigError
+from kvtiers.core.events import EventQueue
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import CacheStats
 from kvtiers.gpu.copy_engine import CopyEngine
-from kvtiers.gpu.paged import PagedKV
 from kvtiers.metrics import MetricsServer
-from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.registry import TierRegistry
 
 __all__ = ["CacheState", "TieredCache"]
@@ -50,7 +48,7 @@ class CacheState(enum.Enum):
     CLOSED = 3  # queues drained, tiers closed; cannot be reopened
 
 
-class TieredCache(KeyLevelAPI):
+class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
     """Cache KV chunks across a cascade of tiers and serve the longest cached prefix.
 
     Use it as an async context manager::
@@ -122,36 +120,6 @@ class TieredCache(KeyLevelAPI):
         """
         config = source if isinstance(source, CacheConfig) else load_config(source)
         return cls(config, layout=layout, registry=registry)
-
-    @property
-    def metrics_url(self) -> str | None:
-        """The Prometheus endpoint (`[metrics]` in the config), once open; else `None`."""
-        return self._metrics.url if self._metrics is not None else None
-
-    def _metric_labels(self) -> dict[str, str]:
-        return {"model": self.layout.model, "tp_rank": str(self.layout.tp_rank)}
-
-    async def _snapshot(self) -> CacheStats | None:
-        return None if self._state is CacheState.CLOSED else self.stats()
-
-    def serve_metrics_of(self, other: TieredCache) -> bool:
-        """Serve `other`'s metrics on this cache's endpoint too, while `other` is open.
-
-        For caches that one engine uses side by side (an SGLang hybrid model's extra
-        pools): one endpoint to scrape. `other`'s samples carry its own labels (its
-        layout's model and TP rank), and its stats are read on the loop that opened it.
-        Callable from any thread; serving `other` again is a no-op.
-
-        Returns:
-            Whether this cache serves metrics (without a `[metrics]` table, or before
-            `open`, nothing is kept).
-        """
-        if not isinstance(other, TieredCache):
-            raise InvalidInputError(f"other: expected a TieredCache, got {type(other).__name__}")
-        loop = other._loop
-        if self._metrics is None or loop is None or other is self:
-            return False
-        return self._metrics.add_source(id(other), other._snapshot, loop, other._metric_labels())
 
     @property
     def state(self) -> CacheState:
@@ -232,6 +200,9 @@ class TieredCache(KeyLevelAPI):
     ) -> None:
         await self.close()
 
+    def _is_closed(self) -> bool:
+        return self._state is CacheState.CLOSED
+
     def _ensure_open(self) -> None:
         if self._state is not CacheState.OPEN:
             raise CacheStateError(f"the cache is {self._state.name.lower()}, not open")
@@ -262,7 +233,12 @@ class TieredCache(KeyLevelAPI):
 
     @tracked
     async def load(
-        self, tokens: Any, *, salt: Salt = None, out: torch.Tensor | None = None
+        self,
+        tokens: Any,
+        *,
+        salt: Salt = None,
+        out: torch.Tensor | None = None,
+        on_layers: OnLayers | None = None,
     ) -> torch.Tensor:
         """Return the KV of the cached prefix of `tokens`.
 
@@ -276,6 +252,13 @@ class TieredCache(KeyLevelAPI):
             salt: the tenant's namespace; chunks of other salts never match.
             out: a tensor to fill, shaped like the result with at least as many tokens;
                 a new CPU tensor is returned when omitted.
+            on_layers: makes the load layer-wise: called on the cache's loop as
+                `on_layers(num_layers, num_tokens)` each time the first `num_layers`
+                layers of the first `num_tokens` tokens are final in `out`, so an engine
+                can start on early layers while later ones are read (see
+                docs/architecture.md). Calls come in order of layers, `num_tokens` never
+                grows, and the result holds at most the last call's tokens. It must be
+                quick; if it raises, it is logged and not called again.
 
         Returns:
             KV shaped `(num_layers, 2, n_tokens, num_kv_heads, head_size)` (mha) or
@@ -293,7 +276,10 @@ class TieredCache(KeyLevelAPI):
         else:
             check_out(self.layout, out, num_tokens)
         sink = TensorSink(self.layout, out)
-        loaded = await self._mover.load(keys, sink) if keys else 0
+        if on_layers is not None:
+            loaded = await load_layerwise(self._mover, keys, sink, self.layout, on_layers)
+        else:
+            loaded = await self._mover.load(keys, sink) if keys else 0
         result = out.narrow(2, 0, loaded * self.layout.chunk_size)
         self._record_load(loaded, start)
         return result
@@ -328,82 +314,6 @@ class TieredCache(KeyLevelAPI):
         return self._record_store(new_chunks, start)
 
     @tracked
-    async def store_paged(
-        self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
-    ) -> int:
-        """Cache the full chunks of `tokens` straight from an engine's paged KV.
-
-        Each chunk is gathered from the engine's blocks into its top-tier block with one
-        copy (device-to-host on dedicated CUDA streams, awaited without blocking the loop).
-
-        Args:
-            tokens: token ids of the request, prefix first.
-            paged: the engine's KV (`PagedKV.vllm_flash`, `.sglang_mha`, `.mla`).
-            block_table: the request's engine block ids in token order.
-            salt: the tenant's namespace.
-
-        Returns:
-            Tokens newly stored.
-
-        Raises:
-            TokenError: bad token ids.
-            LayoutMismatch: `paged` does not match the layout.
-            InvalidInputError: a bad block table; nothing is written.
-        """
-        start = time.perf_counter()
-        _check_paged(paged, self.layout)
-        arr = as_tokens(tokens)
-        keys = self._hasher.keys_of_array(arr, salt)
-        self._salts.stored(arr, self._hasher.root(salt))
-        engine = await self._copy_engine(paged.device)
-        source = PagedSource(self.layout, engine, paged, block_table)
-        new_chunks = await self._mover.store(keys, source) if keys else 0
-        return self._record_store(new_chunks, start)
-
-    @tracked
-    async def load_paged(
-        self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
-    ) -> int:
-        """Load the cached prefix of `tokens` straight into an engine's paged KV.
-
-        Chunks are scattered into the blocks that `block_table` names, with one copy from
-        their tier block (host-to-device on dedicated CUDA streams).
-
-        Returns:
-            Tokens loaded: the leading full chunks delivered (see `load`).
-
-        Raises:
-            TokenError: bad token ids.
-            LayoutMismatch: `paged` does not match the layout.
-            InvalidInputError: a bad block table; nothing is written.
-        """
-        start = time.perf_counter()
-        _check_paged(paged, self.layout)
-        keys = self._hasher.keys_of_array(as_tokens(tokens), salt)
-        engine = await self._copy_engine(paged.device)
-        sink = PagedSink(self.layout, engine, paged, block_table)
-        loaded = await self._mover.load(keys, sink) if keys else 0
-        self._record_load(loaded, start)
-        return loaded * self.layout.chunk_size
-
-    def _record_load(self, num_chunks: int, start: float) -> None:
-        size = self.layout.chunk_size
-        seconds = time.perf_counter() - start
-        self._tally.load(num_chunks * size, num_chunks * self.layout.chunk_bytes, seconds)
-
-    def _record_store(self, new_chunks: int, start: float) -> int:
-        stored = new_chunks * self.layout.chunk_size
-        self._tally.store(stored, time.perf_counter() - start)
-        return stored
-
-    async def _copy_engine(self, device: torch.device) -> CopyEngine:
-        engine = self._engines.get(device)
-        if engine is None:
-            engine = await self._stack.enter_async_context(CopyEngine(self.layout, device))
-            self._engines[device] = engine
-        return engine
-
-    @tracked
     async def prefetch(self, tokens: Any, *, salt: Salt = None) -> int:
         """Move the cached prefix of `tokens` up into the top memory tier.
 
@@ -432,48 +342,6 @@ class TieredCache(KeyLevelAPI):
         """Wait until every chunk queued for a write-through tier is written."""
         await self._mover.flush()
 
-    def take_events(self) -> list[ChunkStored | ChunkRemoved]:
-        """Return the KV events since the last call, oldest first, and clear them.
-
-        A `ChunkStored` says a chunk became resident in a tier (placed in the top tier,
-        promoted, demoted, written through, or placed below when the top tier was full); a
-        `ChunkRemoved` says the cache evicted or dropped one (evicted from a memory tier, a
-        stale hint discarded, an entry found corrupt or missing on load), or that a tier
-        evicting by itself (lmdb, remote) removed one this cache had placed there (by
-        capacity or expiry; what other processes sharing the tier remove shows only when
-        the cache next finds the chunk missing). Empty when the config's `events` is 0;
-        when the queue is full the oldest events are dropped (`CacheStats.events_dropped`).
-        """
-        if self._events is None:
-            return []
-        self._mover.reap()
-        return self._events.drain()
-
-    def stats(self) -> CacheStats:
-        """Return a snapshot of the cache's and every tier's counters."""
-        t = self._tally
-        return CacheStats(
-            lookups=t.lookups,
-            lookup_tokens=t.lookup_tokens,
-            hit_tokens=t.hit_tokens,
-            loads=t.loads,
-            loaded_tokens=t.loaded_tokens,
-            loaded_bytes=t.loaded_bytes,
-            load_seconds=t.load_seconds,
-            stores=t.stores,
-            stored_tokens=t.stored_tokens,
-            write_queue_chunks=self._mover.queued_chunks(),
-            miss_reasons=dict(self._mover.miss_reasons),
-            evicted_from=dict(self._mover.evicted_from),
-            events_dropped=self._events.dropped if self._events is not None else 0,
-            latency=t.latency(),
-            tiers=tuple(slot.tier.stats() for slot in self._slots),
-        )
-
-    def pin_count(self) -> int:
-        """Return the pins held on memory-tier blocks now (zero when idle)."""
-        return sum(slot.tier.total_pins for slot in self._slots if isinstance(slot.tier, BlockTier))
-
 
 def _check_args(config: Any, layout: Any, registry: Any) -> None:
     if not isinstance(config, CacheConfig):
@@ -485,9 +353,3 @@ def _check_args(config: Any, layout: Any, registry: Any) -> None:
         raise ConfigError(f"layout: expected a KVLayout, got {type(layout).__name__}")
     if registry is not None and not isinstance(registry, TierRegistry):
         raise ConfigError(f"registry: expected a TierRegistry, got {type(registry).__name__}")
-
-
-def _check_paged(paged: Any, layout: KVLayout) -> None:
-    if not isinstance(paged, PagedKV):
-        raise InvalidInputError(f"paged: expected a PagedKV, got {type(paged).__name__}")
-    paged.check_layout(layout)

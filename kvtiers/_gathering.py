@@ -1,0 +1,233 @@
+"""Reading chunks through the tier cascade into a sink: promotions, staging, layer waves.
+
+`Gatherer` is the load half of `Mover`: each chunk comes from the highest tier holding it,
+lower-tier hits are promoted into the top memory tier, and a layer-wise load
+(`LayerStream`) reads tiers that can read some layers wave by wave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtiers._endpoints import Sink
+from kvtiers._residency import Slot, View
+from kvtiers._streaming import LayerStream
+from kvtiers._writes import WriteQueues
+from kvtiers.core.keys import ChunkKey
+from kvtiers.tiers.base import Buffer
+
+__all__ = ["Gatherer"]
+
+
+class Gatherer(WriteQueues):
+    """Deliver chunks from the tiers to a sink, promoting lower-tier hits."""
+
+    async def _gather(self, keys: Sequence[ChunkKey], sink: Sink | None, done: list[bool]) -> None:
+        """Deliver each chunk from the highest tier holding it, promoting lower-tier hits.
+
+        First every lower tier reads, all at once, the chunks the index places highest in
+        it (a load split between lmdb and a remote store waits for the slower of the two,
+        not their sum; skipped with `concurrent_reads` off); then, tier by tier, what is
+        left: chunks whose hint was stale, and chunks only a shared tier may hold (another
+        process wrote them).
+        """
+        lower = self._slots[1:] if self._memtop is not None else self._slots
+        if self._memtop is not None:
+            await self._gather_top(keys, sink, done)
+        plan: dict[int, list[int]] = {}
+        for i, key in enumerate(keys if len(lower) > 1 and self._concurrent_reads else ()):
+            mask = 0 if done[i] else self._index.tiers_of(key)
+            for slot in lower:
+                if mask & (1 << slot.idx):
+                    plan.setdefault(slot.idx, []).append(i)
+                    break
+        if len(plan) > 1:
+            await asyncio.gather(
+                *(
+                    self._gather_from(self._slots[idx], keys, todo, sink, done)
+                    for idx, todo in plan.items()
+                )
+            )
+        for slot in lower:
+            bit = 1 << slot.idx
+            todo = [
+                i
+                for i, key in enumerate(keys)
+                if not done[i] and (slot.tier.shared or self._index.tiers_of(key) & bit)
+            ]
+            if todo:
+                await self._gather_from(slot, keys, todo, sink, done)
+
+    async def _gather_top(
+        self, keys: Sequence[ChunkKey], sink: Sink | None, done: list[bool]
+    ) -> None:
+        top = self._slots[0]
+        assert self._memtop is not None
+        async with self._memtop.pinned(keys) as views:
+            hits = [i for i, view in enumerate(views) if view is not None]
+            if sink is not None:
+                await sink.deliver(hits, [view for view in views if view is not None])
+        for i in hits:
+            done[i] = True
+        if hits:
+            self._retry_failed([keys[i] for i in hits])
+        counters = top.tier.counters
+        counters.hits += len(hits)
+        counters.misses += len(keys) - len(hits)
+        counters.bytes_read += len(hits) * self._layout.chunk_bytes
+        if top.policy is not None:
+            # NOTE: deepest chunk first, so a prefix is always more recent than its suffix.
+            for i in reversed(hits):
+                top.policy.touch(keys[i])
+
+    async def _gather_from(
+        self,
+        slot: Slot,
+        keys: Sequence[ChunkKey],
+        todo: list[int],
+        sink: Sink | None,
+        done: list[bool],
+    ) -> None:
+        todo_keys = [keys[i] for i in todo]
+        if self._memtop is None:
+            found = await self._get_rest(slot, keys, todo, sink)
+        else:
+            top = self._slots[0]
+            # NOTE: room in the top tier may demote chunks into this tier (write-back), and
+            # a tier that evicts by itself must not make that room from the chunks we read.
+            slot.tier.touch(todo_keys)
+            await self._make_room(top, len(todo), protect=set(keys))
+            async with self._memtop.reserve(todo_keys) as res:
+                num = len(res.views)
+                # NOTE: the chunks that got a top-tier block and the rest are read at once,
+                # so a load waits for one round of calls to this tier (one deadline of a
+                # remote tier), not two in a row.
+                promoted, rest_found = await asyncio.gather(
+                    self._get_into(slot, todo_keys[:num], res.views, sink, todo[:num]),
+                    self._get_rest(slot, keys, todo[num:], sink),
+                )
+                res.keep[:] = promoted
+                hit = [j for j, flag in enumerate(promoted) if flag]
+                if sink is not None:
+                    await sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
+            self._record_inserts(top, keys, [todo[j] for j in hit])
+            top.tier.counters.promotions += len(hit)
+            # Write-through tiers above the source receive what it promoted (an lmdb
+            # tier between the top and a remote pool becomes the node's copy of it).
+            above = [s for s in self._through if s.idx < slot.idx]
+            if above and hit:
+                self._queue_copies(above, [todo_keys[j] for j in hit])
+            found = promoted + rest_found
+        for i, flag in zip(todo, found, strict=True):
+            if flag:
+                done[i] = True
+                self._index.add(keys, i, slot.idx)
+            else:
+                self._drop(slot, keys[i])
+
+    async def _get_rest(
+        self, slot: Slot, keys: Sequence[ChunkKey], rest: list[int], sink: Sink | None
+    ) -> list[bool]:
+        """Read chunks that got no top-tier block: into the caller's memory, or staged."""
+        if not rest:
+            return []
+        direct = [sink.direct(i) for i in rest] if sink is not None else []
+        if direct and all(d is not None for d in direct):
+            # Straight into the caller's memory: one copy.
+            dsts = [d for d in direct if d is not None]
+            rest_keys = [keys[i] for i in rest]
+            return await self._read(slot, rest_keys, dsts, sink, rest, in_place=True)
+        return await self._get_staged(slot, keys, rest, sink)
+
+    async def _read(
+        self,
+        slot: Slot,
+        keys: list[ChunkKey],
+        dsts: Sequence[Buffer],
+        sink: Sink | None,
+        idxs: list[int],
+        *,
+        in_place: bool = False,
+    ) -> list[bool]:
+        """Read `keys` (chunks `idxs` of the load) from `slot` into host buffers `dsts`.
+
+        Whole chunks in one call, or, for a layer-wise load (`LayerStream`) from a tier
+        that reads some layers only, wave by wave, each wave delivered as it arrives
+        (`in_place`: `dsts` are the sink's own memory). The sink's later `deliver` of
+        these chunks then copies nothing again.
+        """
+        none = [False] * len(keys)
+        if not isinstance(sink, LayerStream) or not slot.tier.layer_reads or not keys:
+            found = await self._call(slot, "get", slot.tier.get(keys, dsts), none)
+            if isinstance(sink, LayerStream) and in_place:
+                sink.delivered([i for i, hit in zip(idxs, found, strict=True) if hit])
+            return found
+
+        # NOTE: the first wave is read alone, so it has the store to itself and arrives
+        # first; then every other wave is asked for at once (a store answers each after
+        # its own first byte, not after the waves before it) and each is delivered in
+        # order as it arrives, for the chunks whose earlier waves all arrived.
+        async def read(wave: int) -> list[bool]:
+            op = slot.tier.get_layers(keys, sink.waves[wave], dsts, tally=wave == 0)
+            return await self._call(slot, "get", op, list(none))
+
+        first = await read(0)
+        live = [j for j in range(len(keys)) if first[j]]
+        await sink.deliver_wave(
+            0, [idxs[j] for j in live], [dsts[j] for j in live], in_place=in_place
+        )
+        async with asyncio.TaskGroup() as group:
+            reads = [group.create_task(read(w)) for w in range(1, len(sink.waves)) if live]
+            for wave, task in enumerate(reads, start=1):
+                flags = await task
+                live = [j for j in live if flags[j]]
+                await sink.deliver_wave(
+                    wave, [idxs[j] for j in live], [dsts[j] for j in live], in_place=in_place
+                )
+        found = list(none)
+        for j in live:
+            found[j] = True
+        return found
+
+    async def _get_into(
+        self,
+        slot: Slot,
+        keys: list[ChunkKey],
+        views: Sequence[View],
+        sink: Sink | None = None,
+        idxs: list[int] | None = None,
+    ) -> list[bool]:
+        """Read chunks from `slot` into block views, staging through host memory for device
+        blocks (a tier reads into host buffers)."""
+        if not keys:
+            return []
+        default = [False] * len(keys)
+        host = [v for v in views if isinstance(v, np.ndarray)]
+        if len(host) == len(views):
+            return await self._read(slot, keys, host, sink, idxs or [])
+        stage = np.empty((len(keys), self._layout.chunk_bytes), dtype=np.uint8)
+        found = await self._call(slot, "get", slot.tier.get(keys, list(stage)), default)
+        for row, view, flag in zip(stage, views, found, strict=True):
+            if flag and isinstance(view, torch.Tensor):
+                view.copy_(torch.from_numpy(row))
+        return found
+
+    async def _get_staged(
+        self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], sink: Sink | None
+    ) -> list[bool]:
+        found: list[bool] = []
+        rows = self._stages.rows
+        for lo in range(0, len(idxs), rows):
+            part = idxs[lo : lo + rows]
+            with self._stages.take(len(part)) as stage:
+                bufs = list(stage)
+                flags = await self._read(slot, [keys[i] for i in part], bufs, sink, part)
+                hit = [j for j, flag in enumerate(flags) if flag]
+                if sink is not None:
+                    await sink.deliver([part[j] for j in hit], [bufs[j] for j in hit])
+            found.extend(flags)
+        return found
