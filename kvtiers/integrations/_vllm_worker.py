@@ -1,12 +1,14 @@
 """The worker side of the vLLM connector: layer-wise loads and saves against vLLM's KV.
 
-Loads: `start_load` submits one load per request to the cache's loop, of the chunks from
-the one holding vLLM's first uncomputed token on (those before it are in vLLM's blocks
-already, so they are not read again); the first `wait_for_layer` of the step waits for
-them, then each layer's blocks are written as its attention layer asks. On a CUDA device
-the first `wait_for_layer` instead queues every layer's host-to-device copy on a copy
-stream, one event per layer, and each layer's compute waits only for its own event: the
-copies of later layers overlap the attention of earlier ones. Saves: each
+Loads: `start_load` submits one layer-wise load per request to the cache's loop, of the
+chunks from the one holding vLLM's first uncomputed token on (those before it are in
+vLLM's blocks already, so they are not read again). The cache reports the load wave by
+wave of layers (1, 2, 4, ... layers; see `kvtiers._streaming`), so `wait_for_layer` waits
+only for the wave holding its layer, and writes that layer's blocks: the tier reads of
+later layers overlap the attention of earlier ones. On a CUDA device a layer's copies are
+queued on a copy stream with one event per layer, and each layer's compute waits only for
+its own event. A block is loaded only if every layer was written with it and the whole
+load delivered it; the others are reported to vLLM, which recomputes them. Saves: each
 layer's blocks are gathered into a private staging tensor as the forward pass leaves the
 layer; `finish_step` hands the staged KV to `TieredCache.store` in the background, so
 neither vLLM's blocks nor its forward pass wait for a tier. Every failure is logged,
@@ -19,6 +21,7 @@ vLLM objects are not imported here; the connector passes tensors and plans.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import re
 import threading
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from kvtiers import TieredCache
+from kvtiers._streaming import OnLayers
 from kvtiers._tensors import torch_dtype
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu._streams import CopyStream, Event
@@ -66,9 +70,23 @@ class _Load:
     future: concurrent.futures.Future[int]
     base: int
     """The request's token at the start of `staging`."""
+    waves: list[tuple[int, int]]
+    """`(num_layers, num_tokens)` from `staging`'s start, as the layer-wise load reports
+    them (appended on the cache's loop thread)."""
     upto: int = -1
     """Tokens usable after the load finished (-1 while unknown)."""
+    least: int = -1
+    """The fewest tokens any layer was written with (-1: no layer yet)."""
+    gave_up: bool = False
+    """The step's load deadline passed while waiting for it."""
     layers_done: set[int] = field(default_factory=set)
+
+    def tokens_of_layer(self, layer: int) -> int | None:
+        """Return the request's tokens whose layer `layer` is final, if reported yet."""
+        for num_layers, num_tokens in list(self.waves):
+            if num_layers > layer:
+                return self.base + num_tokens
+        return None
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +136,8 @@ class WorkerSide:
         self._pipelined = self._copies.is_cuda
         """Whether a step's loads are queued for every layer at once (`_queue_copies`)."""
         self._layer_events: dict[int, Event] = {}  # this step's queued copies, by layer
+        self._arrived = threading.Condition()  # a load reported a wave, or ended
+        self._deadline: float | None = None  # this step's load deadline, from its first wait
 
     # -- loads -------------------------------------------------------------------------
 
@@ -134,16 +154,57 @@ class WorkerSide:
                 pin_memory=self._copies.is_cuda,  # copies to the device that do not block
             )
             ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
+            waves: list[tuple[int, int]] = []
+            report = functools.partial(self._wave_arrived, waves)
             try:
-                future = loop.submit(_load_from(cache, tokens, spec.salt, first, staging))
+                future = loop.submit(_load_from(cache, tokens, spec.salt, first, staging, report))
             except Exception:  # the loop is gone: every block of the request fails
                 logger.exception("kvtiers: starting a load failed")
                 future = concurrent.futures.Future()
                 future.set_exception(RuntimeError("kvtiers loop unavailable"))
-            self._loads.append(_Load(spec, staging, ids, future, base=first * chunk))
+            future.add_done_callback(self._load_ended)
+            self._loads.append(_Load(spec, staging, ids, future, first * chunk, waves))
+
+    def _wave_arrived(self, waves: list[tuple[int, int]], num_layers: int, num_tokens: int) -> None:
+        with self._arrived:
+            waves.append((num_layers, num_tokens))
+            self._arrived.notify_all()
+
+    def _load_ended(self, _: concurrent.futures.Future[int]) -> None:
+        with self._arrived:
+            self._arrived.notify_all()
+
+    def _layer_upto(self, job: _Load, layer: int) -> int:
+        """Wait until layer `layer` of `job` is final; return the tokens it covers.
+
+        Waits at most until the step's load deadline; past it the load is given up (every
+        block is then reported, and vLLM recomputes them).
+        """
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._settings.load_timeout_s
+        started = time.monotonic()
+        with self._arrived:
+            while (upto := job.tokens_of_layer(layer)) is None:
+                left = self._deadline - time.monotonic()
+                if job.gave_up or job.future.done() or left <= 0:
+                    job.gave_up = job.gave_up or left <= 0
+                    upto = 0
+                    break
+                self._arrived.wait(left)
+        self._count("load_wait_seconds", time.monotonic() - started)
+        block = self._paged.block_size
+        upto = min(job.spec.end, upto // block * block)
+        job.least = upto if job.least < 0 else min(job.least, upto)
+        return upto
 
     def _resolve_loads(self) -> None:
-        deadline = time.monotonic() + self._settings.load_timeout_s
+        """Settle every load of the step: how far each got, and which blocks failed.
+
+        A block counts as loaded only if the whole load delivered it and every layer was
+        written with it (a later wave may have come up shorter than an earlier one).
+        """
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._settings.load_timeout_s
         block = self._paged.block_size
         for job in self._loads:
             if job.upto >= 0:
@@ -151,13 +212,18 @@ class WorkerSide:
             spec = job.spec
             started = time.monotonic()
             try:
-                loaded = job.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                if job.gave_up:
+                    raise TimeoutError("the load deadline passed")
+                left = max(0.0, self._deadline - time.monotonic())
+                loaded = job.future.result(timeout=left)
             except Exception as exc:
                 job.future.cancel()
                 logger.warning("kvtiers: a load failed (%s); vLLM recomputes", exc)
                 loaded = 0
             self._count("load_wait_seconds", time.monotonic() - started)
             job.upto = min(spec.end, loaded // block * block)
+            if job.least >= 0:
+                job.upto = min(job.upto, job.least)
             if job.upto < spec.end:
                 # A failed tier read comes back as a shorter load (the cache turns tier
                 # failures into misses); either way these blocks are recomputed.
@@ -175,24 +241,23 @@ class WorkerSide:
         """
         if not self._loads:
             return
-        self._resolve_loads()
         i = self._index.get(name)
         if i is None:
             return
         if self._pipelined:
-            if not self._layer_events:
-                self._queue_copies()
+            self._queue_copies(i)
             self._copies.hold_current(self._layer_events[i])
             return
         self._scatter_layer(i)
 
     def _scatter_layer(self, i: int) -> None:
-        """Write layer `i` of every load of this step into vLLM's blocks."""
+        """Write layer `i` of every load of this step into vLLM's blocks, once it is final."""
         for job in self._loads:
             if i in job.layers_done:
                 continue
             job.layers_done.add(i)
-            count = (job.upto - job.spec.start) // self._paged.block_size
+            upto = self._layer_upto(job, i)
+            count = (upto - job.spec.start) // self._paged.block_size
             if count <= 0:
                 continue
             whole = job.staging[i]
@@ -201,16 +266,25 @@ class WorkerSide:
                 # copy does not block the host; a token range of it would (a strided
                 # source is first copied into pageable memory), so it is cut on the device.
                 whole = whole.to(self._device, non_blocking=True)
-            src = whole[:, job.spec.start - job.base : job.upto - job.base]
+            src = whole[:, job.spec.start - job.base : upto - job.base]
             self._paged.scatter(self._layers[self._names[i]], job.block_ids[:count], src)
 
-    def _queue_copies(self) -> None:
-        """Queue every layer's copies on the copy stream, recording one event per layer."""
-        # NOTE: the blocks may have held another request's KV that queued kernels still
-        # read: the copies start after everything the compute stream has queued so far.
-        self._copies.wait_current()
+    def _queue_copies(self, layer: int) -> None:
+        """Queue the copies of layer `layer` and of every layer final by now, one event each.
+
+        Waits on the host only for `layer`'s wave; layers whose waves have arrived for
+        every load are queued at once, so their copies overlap the compute before them.
+        """
+        if not self._layer_events:
+            # NOTE: the blocks may have held another request's KV that queued kernels
+            # still read: the copies start after everything the compute stream has queued.
+            self._copies.wait_current()
+        ready = len(self._names)
+        for job in self._loads:
+            if not job.future.done():
+                ready = min(ready, job.waves[-1][0] if job.waves else 0)
         with self._copies.use():
-            for i in range(len(self._names)):
+            for i in range(len(self._layer_events), max(layer + 1, ready)):
                 self._scatter_layer(i)
                 self._layer_events[i] = self._copies.record()
 
@@ -249,6 +323,8 @@ class WorkerSide:
         Layers the forward pass did not visit (an empty step) are gathered here; vLLM's
         blocks are no longer needed when this returns.
         """
+        if self._loads:
+            self._resolve_loads()
         for job in self._loads:
             missing = set(range(len(self._names))) - job.layers_done
             if missing and job.upto != 0:
@@ -258,6 +334,7 @@ class WorkerSide:
                 self._failed.update(job.spec.block_ids)
         self._loads = []
         self._layer_events = {}
+        self._deadline = None
         saves, self._saves = self._saves, []
         for save in saves:
             try:
@@ -341,19 +418,25 @@ class WorkerSide:
 
 
 async def _load_from(
-    cache: TieredCache, tokens: Any, salt: Salt, first: int, staging: torch.Tensor
+    cache: TieredCache,
+    tokens: Any,
+    salt: Salt,
+    first: int,
+    staging: torch.Tensor,
+    on_layers: OnLayers,
 ) -> int:
-    """Load the cached chunks of `tokens` from chunk `first` on into `staging`.
+    """Load the cached chunks of `tokens` from chunk `first` on into `staging`, layer-wise.
 
     Returns:
         The tokens of the request's cached prefix now in vLLM's reach: `first` chunks plus
         the leading run of chunks delivered.
     """
     if first == 0:
-        return int((await cache.load(tokens, salt=salt, out=staging)).shape[2])
+        loaded = await cache.load(tokens, salt=salt, out=staging, on_layers=on_layers)
+        return int(loaded.shape[2])
     size = cache.layout.chunk_size
     keys = cache.keys(tokens, salt=salt)
     dsts = [staging.narrow(2, i * size, size) for i in range(len(keys) - first)]
-    found = await cache.get_chunks(keys[first:], dsts, parent=keys[first - 1])
+    found = await cache.get_chunks(keys[first:], dsts, parent=keys[first - 1], on_layers=on_layers)
     run = next((i for i, hit in enumerate(found) if not hit), len(found))
     return (first + run) * size

@@ -151,7 +151,7 @@ def test_layer_order_follows_the_layer_index():
 
 
 @pytest.mark.gpu
-def test_cuda_loads_queue_every_layer_and_compute_waits_on_the_device(registry):
+def test_cuda_loads_queue_layers_as_they_arrive_and_compute_waits_on_the_device(registry):
     """Flash layout on a CUDA device: copies on the copy stream, one event per layer."""
     device = torch.device("cuda")
     shape = (2, NB, BS, LAYOUT.num_kv_heads, LAYOUT.head_size)
@@ -174,7 +174,7 @@ def test_cuda_loads_queue_every_layer_and_compute_waits_on_the_device(registry):
     loading.start_load(StepPlan(loads=[spec]))
     assert loading._loads[0].staging.is_pinned()  # so the copies do not block the host
     loading.wait_for_layer(NAMES[0])
-    assert set(loading._layer_events) == set(range(len(NAMES)))  # every layer queued
+    assert 0 in loading._layer_events  # with every layer whose wave has arrived
     for name in NAMES[1:]:
         loading.wait_for_layer(name)
     after = {n: dst[n] * 1 for n in NAMES}  # queued behind the events on the compute stream
@@ -184,3 +184,110 @@ def test_cuda_loads_queue_every_layer_and_compute_waits_on_the_device(registry):
     for n in NAMES:
         assert torch.equal(after[n][:, [5, 2, 11, 6]], src[n][:, [1, 9, 0, 4]])
     registry.release(entry)
+
+
+# -- layer-wise loads from a tier that reads some layers ------------------------------------
+
+DEEP = small_layout(num_layers=8)  # waves of 1, 2 and 5 layers
+DEEP_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(DEEP.num_layers)]
+
+
+def deep_layers(seed: int | None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed or 0)
+    shape = (NB, DEEP.num_kv_heads, BS, 2 * DEEP.head_size)
+    return {
+        n: (torch.randn(shape, generator=gen) if seed is not None else torch.zeros(shape)).half()
+        for n in DEEP_NAMES
+    }
+
+
+def deep_worker(registry, tmp_path, layers, key) -> WorkerSide:
+    config = {
+        "layout": DEEP.to_dict(),
+        "tiers": [{"kind": "remote", "url": f"file://{tmp_path}/pool", "capacity": "4MiB"}],
+    }
+    entry = registry.acquire(key, lambda: TieredCache.from_config(config))
+    paged = PagedLayout("cpu", NB, BS, DEEP.num_kv_heads, DEEP.head_size)
+    return WorkerSide(ConnectorSettings(load_timeout_s=20), entry, layers, paged, DEEP)
+
+
+def save_deep(registry, tmp_path, src) -> list[bytes]:
+    saving = deep_worker(registry, tmp_path, src, "save")
+    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, (3, 7, 1, 9, 0, 4))])
+    saving.begin_saves(plan)
+    saving.finish_step()
+    assert saving.flush(10)
+    keys = saving._entry.cache.keys(TOKENS)
+    registry.release(saving._entry)
+    return keys
+
+
+def test_early_layers_are_written_before_later_waves_arrive(registry, tmp_path, monkeypatch):
+    """The remote tier's reads of waves after the first are held back until released.
+
+    The tier is real (`file://`); only its latency is made controllable, so that what
+    `wait_for_layer` waits for is observable.
+    """
+    import asyncio
+
+    from kvtiers.tiers.remote import RemoteTier
+
+    src = deep_layers(seed=7)
+    save_deep(registry, tmp_path, src)
+    gate = {"open": None}
+    real = RemoteTier.get_layers
+
+    async def held(self, keys, layers, dsts, *, tally=True):
+        if 0 not in layers:
+            if gate["open"] is None:
+                gate["open"] = asyncio.Event()
+            await gate["open"].wait()
+        return await real(self, keys, layers, dsts, tally=tally)
+
+    monkeypatch.setattr(RemoteTier, "get_layers", held)
+    dst = deep_layers(seed=None)
+    loading = deep_worker(registry, tmp_path, dst, "load")
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (5, 2, 11, 6, 8, 10), start=0, end=48)
+    loading.start_load(StepPlan(loads=[spec]))
+    loading.wait_for_layer(DEEP_NAMES[0])  # returns with later waves still held
+    assert not loading._loads[0].future.done()
+    assert torch.equal(
+        dst[DEEP_NAMES[0]][[5, 2, 11, 6, 8, 10]], src[DEEP_NAMES[0]][[3, 7, 1, 9, 0, 4]]
+    )
+    assert not dst[DEEP_NAMES[1]].any()
+    loop = loading._entry.loop
+    loop.run(_open(gate), 5)
+    for name in DEEP_NAMES[1:]:
+        loading.wait_for_layer(name)
+    loading.finish_step()
+    assert loading.take_failed_blocks() == set()
+    for n in DEEP_NAMES:
+        assert torch.equal(dst[n][[5, 2, 11, 6, 8, 10]], src[n][[3, 7, 1, 9, 0, 4]])
+    counts = loading.take_counts()
+    assert counts["loaded_tokens"] == 48 and counts["hits_remote"] == 3  # one per chunk
+    registry.release(loading._entry)
+
+
+async def _open(gate) -> None:
+    gate["open"].set()
+
+
+def test_a_corrupt_later_layer_fails_only_its_chunk_and_after(registry, tmp_path):
+    src = deep_layers(seed=8)
+    keys = save_deep(registry, tmp_path, src)
+    path = next((tmp_path / "pool").rglob(keys[1].hex()))
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - DEEP.chunk_bytes + 4 * DEEP.layer_bytes + 3] ^= 0x5A  # layer 4, the last wave
+    path.write_bytes(bytes(raw))
+    dst = deep_layers(seed=None)
+    loading = deep_worker(registry, tmp_path, dst, "load")
+    ids = (5, 2, 11, 6, 8, 10)
+    loading.start_load(StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, ids, 0, 48)]))
+    for name in DEEP_NAMES:
+        loading.wait_for_layer(name)
+    loading.finish_step()
+    assert loading.take_failed_blocks() == {11, 6, 8, 10}  # chunks 1 and 2: recomputed
+    for n in DEEP_NAMES:
+        assert torch.equal(dst[n][[5, 2]], src[n][[3, 7]])  # chunk 0, every layer
+    assert loading.take_counts()["loaded_tokens"] == 16
+    registry.release(loading._entry)
