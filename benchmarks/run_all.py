@@ -27,6 +27,7 @@ BENCHMARKS = (
     "bench_lmdb",
     "bench_remote",
     "bench_split_load",
+    "bench_layerwise",
     "bench_cold",
     "bench_pool_stores",
     "bench_overhead",
