@@ -1,10 +1,10 @@
 """Layer-wise loads: how soon an engine may start on layer 0, and what the waves cost.
 
-A load with `on_layers` reads a tier that can read some layers only (the remote tier) in
+A load with `on_layers` reads a tier that can read some layers only (lmdb, remote) in
 waves of 1, 2, 4, ... layers (32 layers: 1, 2, 4, 8, 17): the first alone, then the rest
 at once, each delivered in order. An engine computes layer by layer, so it may start on
 layer 0 once the first wave is in. Timed in the same run, interleaved, each round on a
-freshly opened cache whose only tier is the pool (nothing in memory), for one prompt of
+freshly opened cache whose only tier is the store (nothing in memory), for one prompt of
 16 chunks of 8 MiB (8 with `--quick`; bench_dram's layout: 32 layers, 64-token chunks):
 
 - plain: `TieredCache.load`, whole chunks (the baseline);
@@ -18,12 +18,12 @@ that hiding the load matters most: the plain load then computes (`2 L c`), the l
 one computes layer `i` once its wave is in and layer `i - 1` is done. The model is
 arithmetic on the measured arrival times, not an engine.
 
-Stores: a `file://` pool on the local disk, page cache dropped before every round (disk
-bound); `slowmem://` (bench_split_load's in-memory store whose every request waits 30 ms,
-as for an object store's first byte; a synchronous fsspec filesystem, so one object's
-ranges are requested one after another); and S3 through s3fs against a loopback moto
-server (all Python on the same cores: CPU bound, and every range is a GET). The pools set
-`layer_reads = true`, which is the default on `file://` only.
+Stores: an lmdb tier and a `file://` pool on the local disk, page cache dropped before
+every round (disk bound); `slowmem://` (bench_split_load's in-memory store whose every
+request waits 30 ms, as for an object store's first byte; a synchronous fsspec filesystem,
+so one object's ranges are requested one after another); and S3 through s3fs against a
+loopback moto server (all Python on the same cores: CPU bound, and every range is a GET).
+The pools set `layer_reads = true`, which is the default on `file://` only.
 Run alone: `python -m benchmarks.bench_layerwise [--quick]`.
 """
 
@@ -70,24 +70,22 @@ def _prefill_model(ready: list[float], compute: float) -> float:
     return end
 
 
-async def _bench(
-    url: str,
-    where: str,
-    num_chunks: int,
-    repeats: int,
-    cold: Path | None,
-    options: dict[str, Any] | None = None,
-) -> list[Result]:
-    num_tokens = num_chunks * CHUNK_TOKENS
-    tokens = np.random.default_rng(3).integers(0, VOCAB, num_tokens, dtype=np.int64)
-    kv = make_kv(num_tokens)
-    tier = {
+def _remote(url: str, num_chunks: int, **options: Any) -> dict[str, Any]:
+    return {
         "kind": "remote",
         "url": url,
         "capacity": 2 * num_chunks * CHUNK_BYTES,
         "layer_reads": True,  # the default on file:// only; set here for every store
-        **(options or {}),
+        **options,
     }
+
+
+async def _bench(
+    tier: dict[str, Any], where: str, num_chunks: int, repeats: int, cold: Path | None
+) -> list[Result]:
+    num_tokens = num_chunks * CHUNK_TOKENS
+    tokens = np.random.default_rng(3).integers(0, VOCAB, num_tokens, dtype=np.int64)
+    kv = make_kv(num_tokens)
     config = {"layout": REMOTE_LAYOUT, "tiers": [tier]}
     async with TieredCache.from_config(config) as cache:
         assert await cache.store(tokens, kv) == num_tokens
@@ -161,16 +159,30 @@ async def _bench(
 async def _file(num_chunks: int, repeats: int) -> list[Result]:
     root = Path(tempfile.mkdtemp(prefix="kvtiers-bench-layerwise-", dir=os.getcwd()))
     try:
-        return await _bench(f"file://{root}/pool", "file://, cold", num_chunks, repeats, root)
+        tier = _remote(f"file://{root}/pool", num_chunks)
+        return await _bench(tier, "file://, cold", num_chunks, repeats, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _lmdb(num_chunks: int, repeats: int) -> list[Result]:
+    root = Path(tempfile.mkdtemp(prefix="kvtiers-bench-layerwise-", dir=os.getcwd()))
+    try:
+        tier = {
+            "kind": "lmdb",
+            "path": str(root / "lmdb"),
+            "capacity": 2 * num_chunks * CHUNK_BYTES,
+        }
+        return await _bench(tier, "lmdb, cold", num_chunks, repeats, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 async def _latency(num_chunks: int, repeats: int) -> list[Result]:
     fsspec.register_implementation("slowmem", _SlowMemory, clobber=True)
-    url = f"slowmem://layerwise/{uuid.uuid4().hex[:8]}"
+    tier = _remote(f"slowmem://layerwise/{uuid.uuid4().hex[:8]}", num_chunks)
     where = f"a {LATENCY_S * 1e3:.0f} ms-latency store"
-    return await _bench(url, where, num_chunks, repeats, None)
+    return await _bench(tier, where, num_chunks, repeats, None)
 
 
 async def _moto(num_chunks: int, repeats: int) -> list[Result]:
@@ -179,15 +191,16 @@ async def _moto(num_chunks: int, repeats: int) -> list[Result]:
         await raw._call_s3("create_bucket", Bucket=BUCKET)
         await raw._s3.close()
         url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
-        options = {"storage_options": _storage_options(endpoint)}
-        return await _bench(url, "S3 (moto)", num_chunks, repeats, None, options)
+        tier = _remote(url, num_chunks, storage_options=_storage_options(endpoint))
+        return await _bench(tier, "S3 (moto)", num_chunks, repeats, None)
 
 
 def run(quick: bool) -> list[Result]:
-    """Time plain and layer-wise loads of 16 chunks (8 with `quick`) from three pools."""
+    """Time plain and layer-wise loads of 16 chunks (8 with `quick`) from four stores."""
     num_chunks, repeats = (8, 3) if quick else (16, 5)
     return (
-        asyncio.run(_file(num_chunks, repeats))
+        asyncio.run(_lmdb(num_chunks, repeats))
+        + asyncio.run(_file(num_chunks, repeats))
         + asyncio.run(_latency(num_chunks, repeats))
         + asyncio.run(_moto(num_chunks, repeats))
     )

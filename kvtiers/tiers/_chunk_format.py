@@ -125,6 +125,7 @@ def pack_value_into(
     key: bytes,
     payload: Bytes,
     *,
+    num_layers: int = 0,
     auth_key: bytes | None = None,
 ) -> memoryview:
     """Write the value `pack_value` returns into `out` (a reused buffer); return that part.
@@ -133,7 +134,7 @@ def pack_value_into(
     (32 MiB: 31 ms against 6 ms into a buffer written before, on a 2-vCPU VM).
     """
     view = memoryview(payload).cast("B")
-    head = _head_of(fingerprint, key, view, 0, auth_key)
+    head = _head_of(fingerprint, key, view, num_layers, auth_key)
     end = len(head) + view.nbytes
     out[: len(head)] = head
     out[len(head) : end] = view
@@ -163,6 +164,7 @@ def check_value(
     key: bytes,
     payload_len: int,
     auth_key: bytes | None = None,
+    num_layers: int = 0,
 ) -> tuple[Verdict, memoryview | None]:
     """Parse and verify a stored value without copying its payload.
 
@@ -174,13 +176,17 @@ def check_value(
         auth_key: when given, the value must carry a valid integrity tag under this
             secret; one without (untagged, or tagged under another key) is
             `Verdict.FORGED`.
+        num_layers: the per-layer checksums most values are expected to carry (a hint
+            for the fast header check; 0: none).
 
     Returns:
         The verdict, and for `Verdict.OK` a view of the payload whose checksum (and tag)
         matched.
     """
     view = memoryview(raw).cast("B")
-    verdict, header = _parse(view, fingerprint=fingerprint, key=key, payload_len=payload_len)
+    verdict, header = _parse(
+        view, fingerprint=fingerprint, key=key, payload_len=payload_len, num_layers=num_layers
+    )
     if header is None:
         return verdict, None
     payload = view[header.payload_offset :]
@@ -213,7 +219,9 @@ def check_header(
         layers, is `Verdict.CORRUPT` for this purpose: read the whole value to tell.
     """
     view = memoryview(raw).cast("B")
-    verdict, header = _parse(view, fingerprint=fingerprint, key=key, payload_len=payload_len)
+    verdict, header = _parse(
+        view, fingerprint=fingerprint, key=key, payload_len=payload_len, num_layers=num_layers
+    )
     if header is None:
         return verdict, None
     layers = header.layer_checksums

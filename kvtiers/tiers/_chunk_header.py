@@ -2,8 +2,8 @@
 
 The header is the msgpack array of six to eight fields that `_chunk_format` describes,
 behind a `u16` length prefix. Its writer and its readers sit here side by side, because the
-read path's fast check compares bytes against a header this module writes: a six-field
-header of one layout differs from another only in its key and checksum.
+read path's fast check compares bytes against a header this module writes: a six- or
+seven-field header of one layout differs from another only in its key and checksums.
 """
 
 from __future__ import annotations
@@ -97,50 +97,78 @@ def header_bytes(
 
 
 class _Template(NamedTuple):
-    """The bytes every six-field header of one layout shares, around its key and checksum."""
+    """The bytes every header of one layout shares, around its key, checksum and layers."""
 
     head: bytes  # length prefix ... up to the key
     middle: bytes  # between the key and the checksum
+    between: bytes  # between the checksum and the per-layer checksums (b"" without them)
+    layers_at: int  # where the per-layer checksums start (-1 without them)
     end: int  # header length, prefix included
 
 
 @functools.lru_cache(maxsize=64)
-def _template(fingerprint: bytes, payload_len: int) -> _Template:
-    blank = build_header(fingerprint, bytes(16), payload_len, bytes(DIGEST_BYTES), None)
-    other = build_header(fingerprint, b"\xff" * 16, payload_len, bytes(DIGEST_BYTES), None)
-    key_at = next(i for i, (a, b) in enumerate(zip(blank, other, strict=True)) if a != b)
-    checksum_at = len(blank) - DIGEST_BYTES  # the last field
-    return _Template(blank[:key_at], blank[key_at + 16 : checksum_at], len(blank))
+def _template(fingerprint: bytes, payload_len: int, num_layers: int) -> _Template:
+    digests = bytes(DIGEST_BYTES * num_layers) if num_layers else None
+    blank = build_header(fingerprint, bytes(16), payload_len, bytes(DIGEST_BYTES), digests)
+
+    def differs_at(other: bytes) -> int:
+        return next(i for i, (a, b) in enumerate(zip(blank, other, strict=True)) if a != b)
+
+    key_at = differs_at(build_header(fingerprint, b"\xff" * 16, payload_len, bytes(8), digests))
+    checksum_at = differs_at(
+        build_header(fingerprint, bytes(16), payload_len, b"\xff" * 8, digests)
+    )
+    if digests is None:
+        return _Template(blank[:key_at], blank[key_at + 16 : checksum_at], b"", -1, len(blank))
+    ones = b"\xff" * len(digests)
+    layers_at = differs_at(build_header(fingerprint, bytes(16), payload_len, bytes(8), ones))
+    return _Template(
+        blank[:key_at],
+        blank[key_at + 16 : checksum_at],
+        blank[checksum_at + DIGEST_BYTES : layers_at],
+        layers_at,
+        len(blank),
+    )
 
 
 def _parse_fixed(
-    view: memoryview, fingerprint: bytes, key: bytes, payload_len: int
+    view: memoryview, fingerprint: bytes, key: bytes, payload_len: int, num_layers: int
 ) -> Header | None:
-    """Match a six-field header against its layout's template; `None` if it is not one.
+    """Match a header against its layout's template; `None` if it is not one.
 
-    The lmdb tier writes only these, and all of one layout differ only in key and
-    checksum, so a byte comparison replaces a msgpack decode on the read path.
+    The lmdb tier writes only these (six fields, or seven with `num_layers` per-layer
+    checksums), and all of one layout differ only in key and checksums, so a byte
+    comparison replaces a msgpack decode on the read path.
     """
-    tpl = _template(fingerprint, payload_len)
+    tpl = _template(fingerprint, payload_len, num_layers)
     head = bytes(view[: tpl.end])
     key_at = len(tpl.head)
     checksum_at = key_at + 16 + len(tpl.middle)
+    after = checksum_at + DIGEST_BYTES
     if (
-        head.startswith(tpl.head)
+        len(head) == tpl.end
+        and head.startswith(tpl.head)
         and head[key_at : key_at + 16] == key
         and head[key_at + 16 : checksum_at] == tpl.middle
-        and len(head) == tpl.end
+        and head[after : after + len(tpl.between)] == tpl.between
     ):
-        return Header(payload_len, head[checksum_at:], None, tpl.end)
+        layers = head[tpl.layers_at :] if tpl.layers_at >= 0 else None
+        return Header(payload_len, head[checksum_at:after], layers, tpl.end)
     return None
 
 
 def parse_header(
-    view: memoryview, *, fingerprint: bytes, key: bytes, payload_len: int
+    view: memoryview, *, fingerprint: bytes, key: bytes, payload_len: int, num_layers: int = 0
 ) -> tuple[Verdict, Header | None]:
-    """Parse the header at the start of `view`; the payload itself is not checked."""
+    """Parse the header at the start of `view`; the payload itself is not checked.
+
+    `num_layers`: the per-layer checksums the reader expects most values to carry (0:
+    none), which picks the fast byte comparison; any other valid header still parses.
+    """
     if len(fingerprint) == 16 and len(key) == 16:  # every real layout and key
-        header = _parse_fixed(view, fingerprint, key, payload_len)
+        header = _parse_fixed(view, fingerprint, key, payload_len, num_layers)
+        if header is None and num_layers:
+            header = _parse_fixed(view, fingerprint, key, payload_len, 0)
         if header is not None:
             return Verdict.OK, header
     if view.nbytes < _PREFIX.size:

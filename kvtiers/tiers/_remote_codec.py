@@ -112,6 +112,7 @@ class ObjectCodec:
             key=key,
             payload_len=self.layout.chunk_bytes,
             auth_key=self.auth_key,
+            num_layers=self.layout.num_layers,
         )
 
     def _check_and_copy(self, key: ChunkKey, raw: bytes | memoryview, dst: Buffer) -> Verdict:

@@ -536,3 +536,40 @@ async def test_a_dead_reader_does_not_fill_the_map_of_a_long_running_tier(
             assert all(await tier.put(keys(8, seed=seed), payloads(8, seed=seed)))
         assert tier._limit == limit  # the map never held less than the capacity
         assert not tier._health.map_was_full
+
+
+# -- reads of some layers ------------------------------------------------------------------
+
+
+async def test_get_layers_checks_each_value_whole(tmp_path: Path) -> None:
+    """py-lmdb reads a whole value anyway, so a read of some layers checks it whole: a
+    corrupt byte in layer 1 makes a read of layer 0 a miss too, deleted and counted."""
+    path, ks, srcs = tmp_path / "db", keys(2), payloads(2)
+    await put_and_close(path, ks, srcs)
+    step = SMALL_LAYOUT.layer_bytes
+    rewrite_value(path, ks[0], flip_payload_byte)  # a byte of the last layer (layer 1)
+    async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
+        assert not tier.layer_reads
+        dsts = [np.zeros(SMALL_LAYOUT.chunk_bytes, dtype=np.uint8) for _ in range(2)]
+        assert await tier.get_layers(ks, [0], dsts) == [False, True]
+        assert not dsts[0].any()
+        assert np.array_equal(dsts[1][:step], srcs[1][:step]) and not dsts[1][step:].any()
+        assert tier.counters.corrupt == 1 and await tier.contains(ks) == [False, True]
+        assert tier.counters.bytes_read == step  # one layer of one chunk delivered
+
+
+async def test_values_with_layer_checksums_are_read_too(tmp_path: Path) -> None:
+    """A value in the remote tier's form (a checksum per layer) reads like the tier's own."""
+    path, ks, srcs = tmp_path / "db", keys(1), payloads(1)
+    await put_and_close(path, ks, srcs)
+    fingerprint, num_layers = SMALL_LAYOUT.fingerprint, SMALL_LAYOUT.num_layers
+    rewrite_value(
+        path, ks[0], lambda _: pack_value(fingerprint, ks[0], srcs[0].data, num_layers=num_layers)
+    )
+    async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
+        dst = np.zeros(SMALL_LAYOUT.chunk_bytes, dtype=np.uint8)
+        assert await tier.get(ks, [dst]) == [True] and np.array_equal(dst, srcs[0])
+        step, part = SMALL_LAYOUT.layer_bytes, np.zeros(SMALL_LAYOUT.chunk_bytes, np.uint8)
+        assert await tier.get_layers(ks, [1], [part], tally=False) == [True]
+        assert np.array_equal(part[step:], srcs[0][step:]) and not part[:step].any()
+        assert tier.counters.hits == 1  # the second read did not count

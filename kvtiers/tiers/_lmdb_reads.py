@@ -1,0 +1,127 @@
+"""Reading values out of the lmdb tier's map: whole chunks, or some layers of each.
+
+A value is verified whole before a byte of it reaches the caller's buffer (its payload's
+checksum, and its integrity tag when that is on); a read of some layers then copies only
+those. py-lmdb faults in every page of a value it returns, so reading some layers saves a
+copy, not a read from the disk: the tier does not declare `layer_reads`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import lmdb
+import numpy as np
+
+from kvtiers.core.errors import CacheStateError, TierIOError
+from kvtiers.core.keys import ChunkKey
+from kvtiers.core.layout import KVLayout
+from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers._layers import Pieces, write_layers
+from kvtiers.tiers.base import Buffer
+
+__all__ = ["ValueReader", "run_jobs"]
+
+_T = TypeVar("_T")
+
+
+async def run_jobs(
+    pool: ThreadPoolExecutor | None,
+    jobs: Sequence[Callable[[threading.Event], _T]],
+    name: str,
+    path: str,
+) -> list[_T]:
+    """Run the blocking `jobs` of tier `name` in `pool` and return their results.
+
+    On cancellation, tell the jobs to stop (a write transaction then aborts) and wait for
+    them before re-raising, so no thread still touches the caller's buffers afterwards.
+    An `lmdb.Error` becomes a `TierIOError` naming the tier and its path.
+    """
+    loop, cancel = asyncio.get_running_loop(), threading.Event()
+    try:
+        futs = [loop.run_in_executor(pool, job, cancel) for job in jobs]
+    except RuntimeError as exc:  # the pool was shut down by a concurrent close
+        raise CacheStateError(f"tier {name!r} is closed") from exc
+    try:
+        results = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
+    except asyncio.CancelledError:
+        cancel.set()
+        await asyncio.wait(futs)
+        raise
+    for result in results:
+        if isinstance(result, lmdb.Error):
+            raise TierIOError(f"{name}: lmdb at {path!r}: {result}") from result
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]  # no exceptions left
+
+
+class ValueReader:
+    """Verify values of one layout and copy them into chunk buffers.
+
+    Args:
+        layout: the layout of the chunks.
+        auth_key: the integrity secret values must be tagged under; `None` when off.
+    """
+
+    def __init__(self, layout: KVLayout, auth_key: bytes | None) -> None:
+        self.layout, self.auth_key = layout, auth_key
+
+    def read_batch(
+        self,
+        txn: lmdb.Transaction[memoryview],
+        keys: Sequence[ChunkKey],
+        dsts: Sequence[Buffer],
+        layers: Sequence[int] | None,
+        cancel: threading.Event,
+    ) -> tuple[list[bool], list[ChunkKey]]:
+        """Read `keys` (all their layers, or `layers`) in `txn` into `dsts`.
+
+        Returns:
+            Per key whether it was delivered, and the keys whose values failed a check.
+        """
+        hits, bad = [False] * len(keys), list[ChunkKey]()
+        for i, key in enumerate(keys):
+            raw = None if cancel.is_set() else txn.get(key)
+            if raw is None:
+                continue
+            if layers is None:
+                verdict = self.whole(key, raw, dsts[i])
+            else:
+                verdict = self.layers(key, raw, dsts[i], layers)
+            if verdict is fmt.Verdict.OK:
+                hits[i] = True
+            else:
+                bad.append(key)
+        return hits, bad
+
+    def whole(self, key: bytes, raw: fmt.Bytes, dst: Buffer) -> fmt.Verdict:
+        """Verify `raw` and copy its payload into `dst` when it is `Verdict.OK`."""
+        verdict, payload = self._check(key, raw)
+        if payload is not None:  # verified before a byte reaches the destination
+            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
+        return verdict
+
+    def layers(self, key: bytes, raw: fmt.Bytes, dst: Buffer, wanted: Sequence[int]) -> fmt.Verdict:
+        """Verify `raw` whole and copy its layers `wanted` into `dst` (the rest left alone)."""
+        verdict, payload = self._check(key, raw)
+        if payload is not None:
+            write_layers(dst, self._pieces(payload, wanted), self.layout.num_layers)
+        return verdict
+
+    def _pieces(self, payload: memoryview, wanted: Sequence[int]) -> Pieces:
+        step = self.layout.layer_bytes
+        return [(i, payload[i * step : (i + 1) * step]) for i in wanted]
+
+    def _check(self, key: bytes, raw: fmt.Bytes) -> tuple[fmt.Verdict, memoryview | None]:
+        return fmt.check_value(
+            raw,
+            fingerprint=self.layout.fingerprint,
+            key=key,
+            payload_len=self.layout.chunk_bytes,
+            auth_key=self.auth_key,
+        )
