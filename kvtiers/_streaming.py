@@ -73,6 +73,7 @@ class LayerStream(Sink):
         on_layers: OnLayers,
     ) -> None:
         self.waves = layer_waves(num_layers)
+        self._num_layers = num_layers
         self._inner = inner
         self._chunk_size = chunk_size
         self._on_layers: OnLayers | None = on_layers
@@ -80,8 +81,16 @@ class LayerStream(Sink):
         self._reported = 0  # waves reported to on_layers
 
     def direct(self, idx: int) -> Buffer | None:
-        # docstring inherited
-        return self._inner.direct(idx)
+        """Return the inner sink's memory for chunk `idx` if a wave can be written alone.
+
+        NOTE: the waves of one chunk are written at once (big chunks in a tier's threads);
+        `write_layers` rewrites the whole of any other strided view, which could undo a
+        wave written meanwhile, so such a chunk is staged and copied wave by wave instead.
+        """
+        buf = self._inner.direct(idx)
+        if buf is None or buf.flags.c_contiguous:
+            return buf
+        return buf if buf.ndim > 1 and buf.shape[0] == self._num_layers else None
 
     async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
