@@ -291,3 +291,89 @@ def test_a_corrupt_later_layer_fails_only_its_chunk_and_after(registry, tmp_path
         assert torch.equal(dst[n][[5, 2]], src[n][[3, 7]])  # chunk 0, every layer
     assert loading.take_counts()["loaded_tokens"] == 16
     registry.release(loading._entry)
+
+
+def _hold_later_waves(monkeypatch) -> None:
+    """Make the remote tier's reads of every wave after the first wait forever."""
+    import asyncio
+
+    from kvtiers.tiers.remote import RemoteTier
+
+    real = RemoteTier.get_layers
+
+    async def held(self, keys, layers, dsts, *, tally=True):
+        if 0 not in layers:
+            await asyncio.Event().wait()
+        return await real(self, keys, layers, dsts, tally=tally)
+
+    monkeypatch.setattr(RemoteTier, "get_layers", held)
+
+
+def held_worker(registry, tmp_path, layers, timeout_s: float) -> WorkerSide:
+    config = {
+        "layout": DEEP.to_dict(),
+        "tiers": [
+            {"kind": "dram", "capacity": 16 * DEEP.chunk_bytes},
+            {"kind": "remote", "url": f"file://{tmp_path}/pool", "capacity": "4MiB"},
+        ],
+    }
+    entry = registry.acquire("held", lambda: TieredCache.from_config(config))
+    paged = PagedLayout("cpu", NB, BS, DEEP.num_kv_heads, DEEP.head_size)
+    return WorkerSide(ConnectorSettings(load_timeout_s=timeout_s), entry, layers, paged, DEEP)
+
+
+async def _pins(cache) -> int:
+    return cache.pin_count()
+
+
+def test_a_load_past_its_deadline_mid_waves_fails_every_block_and_frees_the_cache(
+    registry, tmp_path, monkeypatch
+):
+    import time
+
+    src = deep_layers(seed=9)
+    save_deep(registry, tmp_path, src)
+    _hold_later_waves(monkeypatch)
+    dst = deep_layers(seed=None)
+    loading = held_worker(registry, tmp_path, dst, timeout_s=0.3)
+    ids = (5, 2, 11, 6, 8, 10)
+    loading.start_load(StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, ids, 0, 48)]))
+    started = time.monotonic()
+    for name in DEEP_NAMES:
+        loading.wait_for_layer(name)
+    loading.finish_step()
+    assert time.monotonic() - started < 5  # one deadline for the step, not one per layer
+    assert loading.take_failed_blocks() == set(ids)
+    counts = loading.take_counts()
+    assert counts["load_errors"] == 1 and counts.get("loaded_tokens", 0) == 0
+    entry = loading._entry
+    deadline = time.monotonic() + 5
+    while entry.loop.run(_pins(entry.cache), 5) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the given-up load is cancelled on the loop
+    assert entry.loop.run(_pins(entry.cache), 5) == 0
+    registry.release(entry)  # closes: nothing of the load is left running
+
+
+def test_the_loop_dying_mid_waves_fails_the_load_without_waiting_out_the_deadline(
+    registry, tmp_path, monkeypatch
+):
+    import time
+
+    src = deep_layers(seed=10)
+    save_deep(registry, tmp_path, src)
+    _hold_later_waves(monkeypatch)
+    dst = deep_layers(seed=None)
+    loading = held_worker(registry, tmp_path, dst, timeout_s=30)
+    ids = (5, 2, 11, 6, 8, 10)
+    loading.start_load(StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, ids, 0, 48)]))
+    loading.wait_for_layer(DEEP_NAMES[0])  # the first wave arrived
+    assert torch.equal(dst[DEEP_NAMES[0]][list(ids)], src[DEEP_NAMES[0]][[3, 7, 1, 9, 0, 4]])
+    started = time.monotonic()
+    loading._entry.loop.stop()  # the loop is gone with the later waves in flight
+    for name in DEEP_NAMES[1:]:
+        loading.wait_for_layer(name)
+    loading.finish_step()
+    assert time.monotonic() - started < 10
+    assert loading.take_failed_blocks() == set(ids)
+    assert not dst[DEEP_NAMES[1]].any()
+    registry.release(loading._entry)
