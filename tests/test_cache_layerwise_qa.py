@@ -383,3 +383,51 @@ async def test_close_racing_layerwise_loads(tmp_path: Path, turns: int) -> None:
     for task, watch in zip(tasks, watches, strict=True):
         watch.check(await task)  # started before the close: it finishes
     assert cache.pin_count() == 0
+
+
+# -- a real S3 endpoint on loopback ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3() -> Any:
+    from tests.tiers.conftest import _start
+
+    server = _start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+async def test_layerwise_loads_from_s3_exact_and_cancelled_anywhere(s3: Any) -> None:
+    lay = layout_dict(61)
+    layout = KVLayout(**lay)
+    kv = make_kv(layout, 96, seed=11)
+    tokens = list(range(96))
+    tier = {
+        "kind": "remote",
+        "url": s3.url("layerwise"),
+        "capacity": "64MiB",
+        "layer_reads": True,
+        "storage_options": s3.storage_options(),
+    }
+    dram = {"kind": "dram", "capacity": 2 * layout.chunk_bytes}
+    async with TieredCache.from_config({"layout": lay, "tiers": [tier]}) as cache:
+        await cache.store(tokens, kv)
+    rng = random.Random(0)
+    async with TieredCache.from_config({"layout": lay, "tiers": [dram, tier]}) as cache:
+        for _ in range(6):
+            watch = Watch(torch.zeros_like(kv), kv, 61)
+            task = asyncio.ensure_future(cache.load(tokens, out=watch.out, on_layers=watch))
+            for _ in range(rng.randrange(60)):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                watch.check(await task)
+                continue
+            watch.check(None)
+            assert cache.pin_count() == 0
+        watch = Watch(torch.zeros_like(kv), kv, 61)
+        watch.check(await cache.load(tokens, out=watch.out, on_layers=watch))
+        assert watch.calls[-1] == (61, 96)
+        await cache.flush()
+        assert cache.pin_count() == 0
