@@ -295,13 +295,18 @@ class ObjectStore:
     async def find(self, path: str, *, retries: int | None = None) -> dict[str, dict[str, Any]]:
         """Return every object below `path` with its details (none if `path` is absent).
 
+        A folder below `path` that cannot be listed fails the whole listing (see
+        `_find_local`): a listing that left it out would undercount the pool.
+
         Args:
             path: the folder or prefix.
             retries: retries after a failure, instead of the configured number.
         """
         try:
-            found: dict[str, dict[str, Any]] = await self._request(
-                "find", path, detail=True, max_retries=retries
+            found: dict[str, dict[str, Any]] = await (
+                self._request(_find_local, path, max_retries=retries)
+                if self.local
+                else self._request("find", path, detail=True, max_retries=retries)
             )
         except FileNotFoundError:
             return {}
@@ -347,3 +352,36 @@ class ObjectStore:
         if pool is None:
             raise StoreUnavailable(f"{self.url}: not open")
         return lambda: loop.run_in_executor(pool, fn)
+
+
+def _find_local(fs: Any, path: str) -> dict[str, dict[str, Any]]:
+    """Return every file below `path` on a local filesystem, by path, with its details.
+
+    As fsspec's `find(path, detail=True)`, except that a folder that cannot be listed (or
+    an entry whose details cannot be read) raises instead of being left out: fsspec's
+    `walk` swallows every `OSError` below the top (its `on_error` does not reach the
+    folders it recurses into), so a folder this user may not read went missing without a
+    word. A folder that vanishes once listed (a purge removed it) is left out, as gone.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        OSError: a folder or entry below it cannot be read (e.g. `PermissionError`).
+    """
+    top = fs._strip_protocol(path)
+    found: dict[str, dict[str, Any]] = {}
+    folders = [top]
+    while folders:
+        folder = folders.pop()
+        try:
+            entries = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            if folder == top:
+                raise
+            continue
+        for info in entries:
+            name = info["name"].rstrip("/")
+            if info["type"] == "directory" and name != folder:
+                folders.append(name)
+            else:
+                found[name] = info
+    return dict(sorted(found.items()))

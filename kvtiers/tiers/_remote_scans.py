@@ -50,7 +50,7 @@ class Scanner:
         store: the store the namespace is in.
         log: this process's access log.
         options: the tier's options (`scan_interval`, `ttl`).
-        counters: the tier's counters, where failed deletes are counted.
+        counters: the tier's counters, where failed scans and deletes are counted.
         name: the tier's name, for logs.
     """
 
@@ -69,6 +69,7 @@ class Scanner:
         """Names this process's access log."""
         self.next_scan = math.inf
         """When the next scan is due, `time.monotonic()` seconds."""
+        self._failing = False  # the last scan failed (warned once per run of failures)
 
     def due(self) -> bool:
         """Return whether the next scan is due."""
@@ -88,18 +89,30 @@ class Scanner:
             retries: retries of the listing after a failure, instead of the configured number.
 
         Returns:
-            What is left and what expired; `None` if the store failed (logged), which
-            leaves things as they were.
+            What is left and what expired; `None` if the store failed or the breaker
+            refused, which leaves things as they were (the catalog too: a listing that
+            could not read part of the namespace fails whole, so it never shrinks it).
+
+        Side effects:
+            A failed scan counts one error (`TierCounters.fail`), and the first of a run
+            of them logs a warning (later ones log at debug level until one succeeds); a
+            refused one counts as `unavailable`.
         """
         interval = self._options.scan_interval * random.uniform(0.9, 1.1)  # nodes drift apart
         self.next_scan = time.monotonic() + interval if interval > 0 else math.inf
+        if not self._store.available:  # the breaker refuses: it logged the outage
+            self._counters.unavailable += 1
+            return None
         try:
             if self._log.dirty:
                 await self.write_log(namespace)
             listing = await scan(self._store, namespace, self._log, retries=retries)
         except StoreUnavailable as exc:
-            logger.warning("kvtiers: remote tier %r: scan skipped: %s", self._name, exc)
+            self._failed(exc)
             return None
+        if self._failing:
+            self._failing = False
+            logger.info("kvtiers: remote tier %r: scans succeed again", self._name)
         if self._options.ttl is not None:
             self._log.prune(now - self._options.ttl)
         doomed = self._doomed(namespace, listing, now)
@@ -131,6 +144,19 @@ class Scanner:
         self._log.forget(list(self._log.times))
         self._log.dirty = False
         await self._store.rm(self._log_path(namespace))
+
+    def _failed(self, exc: StoreUnavailable) -> None:
+        """Count a failed scan; warn only at the first of a run (scans repeat its cause)."""
+        self._counters.fail(timed_out=exc.timed_out)
+        if self._failing:
+            logger.debug("kvtiers: remote tier %r: scan failed again: %s", self._name, exc)
+            return
+        self._failing = True
+        logger.warning(
+            "kvtiers: remote tier %r: scan failed, usage and expiry as of the last one: %s",
+            self._name,
+            exc,
+        )
 
     def _doomed(self, namespace: str, listing: Listing, now: float) -> set[str]:
         """Return the paths a scan deletes: expired objects, stale temporaries and logs."""
