@@ -168,7 +168,9 @@ class ChunkObjects:
         NOTE: a layer-wise load reads one object in several waves; the first checks the
         header, the others read their layers alone and check them against it. An object
         replaced meanwhile fails that check and is then read whole, so a stale header
-        costs one read, never a wrong byte.
+        costs one read, never a wrong byte. The waves of one load may still come from
+        two valid versions of a replaced object (each layer checked against its own
+        version); the chunk is delivered, and promoted, as read.
         """
         self._headers[key] = header
         if len(self._headers) > _HEADERS_KEPT:
