@@ -103,7 +103,8 @@ class KeyLevelAPI:
 
         The keys need not be a prefix; each is served from the highest tier holding it and
         lower-tier hits are promoted, as in `load`. Entries that fail their checksum are
-        misses. A destination is left untouched where its result is `False`.
+        misses. A destination is left untouched where its result is `False`, except in a
+        layer-wise read: a chunk whose later wave failed keeps its earlier waves' layers.
 
         Args:
             keys: chunk keys (`chunk_keys` or `keys`).

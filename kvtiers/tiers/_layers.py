@@ -38,7 +38,11 @@ def check_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
 
 
 def write_layers(dst: Buffer, pieces: Pieces, num_layers: int) -> None:
-    """Write each `(layer, bytes)` into its slice of the chunk buffer `dst`, nothing else."""
+    """Write each `(layer, bytes)` into its slice of the chunk buffer `dst`, nothing else.
+
+    Not safe for two callers writing one buffer at once when it is strided and not
+    indexed by layer: such a buffer is copied, edited and written back whole.
+    """
     if dst.flags.c_contiguous:
         flat = dst.reshape(-1)
         for layer, piece in pieces:
