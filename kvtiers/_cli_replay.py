@@ -21,6 +21,7 @@ from typing import Any
 from kvtiers._cli_args import positive_int
 from kvtiers._cli_bench import read_tier_links
 from kvtiers._replay_full import DEFAULT_BLOCK_BYTES
+from kvtiers.core.checks import describe
 from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import ConfigError
 from kvtiers.costmodel import (
@@ -220,13 +221,20 @@ def _cascades(
     args: argparse.Namespace, trace: Trace, config: CacheConfig | None, block_bytes: int | None
 ) -> list[list[TierSpec]]:
     """Return the tier cascades to replay: capacities outer, policies inner."""
-    text = args.capacity or (None if config is not None else _DEFAULT_CAPACITIES)
+    text = args.capacity
+    if text is None and config is None:
+        text = _DEFAULT_CAPACITIES
     capacities: list[int | None] = [None]
     if text is not None:
+        parts = [part for part in text.split(",") if part.strip()]
+        if not parts:  # no runs to replay: refused rather than read as the default
+            raise ConfigError(
+                "--capacity: expected a comma list of blocks (9140), shares (5%) or sizes "
+                f"(16GiB), got {describe(text)}"
+            )
         parsed = (
             parse_capacity(part, unique_blocks=trace.unique_blocks, block_bytes=block_bytes)
-            for part in text.split(",")
-            if part.strip()
+            for part in parts
         )
         capacities = list(dict.fromkeys(parsed))
     if config is None:
