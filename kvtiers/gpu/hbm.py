@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvtiers.core.blockpool import BlockPool
+from kvtiers.core.checks import describe
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.keys import ChunkKey
@@ -218,13 +219,19 @@ class _Finished:
 
 def _parse_device(value: object, where: str) -> torch.device:
     if not isinstance(value, str):
-        raise ConfigError(f"{where}.device: expected a device name such as 'cuda:0', got {value!r}")
+        raise ConfigError(
+            f"{where}.device: expected a device name such as 'cuda:0', got {describe(value)}"
+        )
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError) as exc:
-        raise ConfigError(f"{where}.device: {value!r} is not a device name ({exc})") from exc
+        raise ConfigError(
+            f"{where}.device: {describe(value)} is not a device name ({exc})"
+        ) from exc
     if device.type not in ("cuda", "cpu"):
-        raise ConfigError(f"{where}.device: {value!r} is not a CUDA device such as 'cuda:0'")
+        raise ConfigError(
+            f"{where}.device: {describe(value)} is not a CUDA device such as 'cuda:0'"
+        )
     return device if device.type == "cpu" or device.index is not None else torch.device("cuda", 0)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from kvtiers.core.checks import describe
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError
 
@@ -50,7 +51,8 @@ def auth_key_from_config(
     scheme = options.get("integrity", "none")
     if scheme not in INTEGRITY_SCHEMES:
         raise ConfigError(
-            f"{where}.integrity: expected one of {', '.join(INTEGRITY_SCHEMES)}, got {scheme!r:.60}"
+            f"{where}.integrity: expected one of {', '.join(INTEGRITY_SCHEMES)}, "
+            f"got {describe(scheme)}"
         )
     env_name = options.get("integrity_key_env")
     if scheme == "none":
@@ -63,7 +65,7 @@ def auth_key_from_config(
     if not isinstance(env_name, str) or not env_name or "=" in env_name or "\0" in env_name:
         raise ConfigError(
             f"{where}.integrity_key_env: required with integrity = {scheme!r}; expected the "
-            f"name of an environment variable holding the secret, got {env_name!r:.60}"
+            f"name of an environment variable holding the secret, got {describe(env_name)}"
         )
     env = os.environ if environ is None else environ
     value = env.get(env_name)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import lmdb
 
-from kvtiers.core.checks import is_int
+from kvtiers.core.checks import check_int, describe
 from kvtiers.core.config import TierConfig, parse_size
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.layout import KVLayout
@@ -25,6 +24,9 @@ __all__ = [
 ]
 
 _MIB = 2**20
+# NOTE: mdb_env_set_maxreaders takes a C unsigned int; more cannot even reach LMDB. The
+# py-lmdb binding refuses more than 2**31 - 1 when the environment opens (a TierIOError).
+_MAX_READERS = 2**32 - 1
 _OPTIONS = (
     "map_size",
     "max_readers",
@@ -79,7 +81,9 @@ class LMDBOptions:
         path = raw.get("path")
         path = os.fspath(path) if isinstance(path, os.PathLike) else path
         if not isinstance(path, str) or not path:
-            raise ConfigError(f"{where}.path: required; expected a directory path, got {path!r}")
+            raise ConfigError(
+                f"{where}.path: required; expected a directory path, got {describe(path)}"
+            )
         check_path(path, f"{where}.path")
         map_size = raw.get("map_size")
         if map_size is not None:
@@ -88,27 +92,22 @@ class LMDBOptions:
                 raise ConfigError(f"{where}.map_size: expected at least 1MiB, got {map_size}")
         sync = raw.get("sync", False)
         if not isinstance(sync, bool):
-            raise ConfigError(f"{where}.sync: expected true or false, got {sync!r}")
+            raise ConfigError(f"{where}.sync: expected true or false, got {describe(sync)}")
         flags = {name: raw.get(name, name == "readahead") for name in ("readahead", "writemap")}
         for name, value in flags.items():
             if not isinstance(value, bool):
-                raise ConfigError(f"{where}.{name}: expected true or false, got {value!r}")
+                raise ConfigError(f"{where}.{name}: expected true or false, got {describe(value)}")
         return cls(
             path=path,
-            read_threads=_int_option(raw, "read_threads", 4, where),
+            read_threads=check_int(f"{where}.read_threads", raw.get("read_threads", 4), 1),
             map_size=map_size,
             sync=sync,
-            max_readers=_int_option(raw, "max_readers", 256, where),
+            max_readers=check_int(
+                f"{where}.max_readers", raw.get("max_readers", 256), 1, _MAX_READERS
+            ),
             readahead=flags["readahead"],
             writemap=flags["writemap"],
         )
-
-
-def _int_option(raw: dict[str, Any], name: str, default: int, where: str) -> int:
-    value = raw.get(name, default)
-    if not is_int(value) or value < 1:
-        raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {value!r}")
-    return value
 
 
 def open_env(

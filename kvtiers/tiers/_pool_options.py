@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import math
 import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from kvtiers.core.checks import is_int
+from kvtiers.core.checks import check_int, describe
 from kvtiers.core.config import TierConfig, parse_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.tiers._integrity import OPTION_NAMES as INTEGRITY_OPTIONS
 from kvtiers.tiers.base import check_option_keys
 
-__all__ = ["MooncakeOptions", "RedisOptions"]
+__all__ = ["MAX_SECONDS", "MooncakeOptions", "RedisOptions", "seconds"]
 
 _MiB = 2**20
 REDIS_MAX_VALUE_BYTES = 512 * _MiB
@@ -35,6 +34,12 @@ _MOONCAKE_OPTIONS = (
 _PREFIX = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
 _PROTOCOLS = ("tcp", "rdma")
 _SCHEMES = ("redis", "rediss", "unix")
+_MASTER = re.compile(r"[^\s:]+:([0-9]{1,5})")
+_MAX_PORT = 65535
+
+MAX_SECONDS = 2**31 - 1
+"""The most seconds a duration option takes (68 years): more overflows the C timeouts of
+sockets and locks below the tiers (`socket.settimeout(1e10)` raises `OverflowError`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +78,7 @@ class RedisOptions:
         if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in _SCHEMES:
             raise ConfigError(
                 f"{where}.url: required; expected a redis://, rediss:// or unix:// URL, "
-                f"got {url!r:.80}"
+                f"got {describe(url, 80)}"
             )
         prefix = key_prefix(raw, where)
         ttl = raw.get("ttl")
@@ -129,13 +134,17 @@ class MooncakeOptions:
         where, raw = config.where, dict(config.options)
         check_option_keys(config, "mooncake", _MOONCAKE_OPTIONS)
         master = raw.get("master")
-        if not isinstance(master, str) or not re.fullmatch(r"[^\s:]+:\d{1,5}", master):
+        match = _MASTER.fullmatch(master) if isinstance(master, str) else None
+        if not isinstance(master, str) or match is None or not 1 <= int(match[1]) <= _MAX_PORT:
             raise ConfigError(
-                f"{where}.master: required; expected the master's 'host:port', got {master!r:.80}"
+                f"{where}.master: required; expected the master's 'host:port' (a port from 1 "
+                f"to {_MAX_PORT}), got {describe(master, 80)}"
             )
         protocol = raw.get("protocol", "tcp")
         if protocol not in _PROTOCOLS:
-            raise ConfigError(f"{where}.protocol: expected 'tcp' or 'rdma', got {protocol!r:.40}")
+            raise ConfigError(
+                f"{where}.protocol: expected 'tcp' or 'rdma', got {describe(protocol, 40)}"
+            )
         return cls(
             master=master,
             metadata=text(raw, "metadata", "P2PHANDSHAKE", where),
@@ -158,7 +167,7 @@ def key_prefix(raw: dict[str, Any], where: str) -> str:
     if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
         raise ConfigError(
             f"{where}.prefix: expected 1-64 characters of letters, digits and _.:/-, "
-            f"got {prefix!r:.80}"
+            f"got {describe(prefix, 80)}"
         )
     return prefix
 
@@ -167,16 +176,13 @@ def text(raw: dict[str, Any], name: str, default: str, where: str) -> str:
     """Return the non-empty string option `name`."""
     value = raw.get(name, default)
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}.{name}: expected a non-empty string, got {value!r:.80}")
+        raise ConfigError(f"{where}.{name}: expected a non-empty string, got {describe(value, 80)}")
     return value.strip()
 
 
 def integer(raw: dict[str, Any], name: str, default: int, minimum: int, where: str) -> int:
-    """Return the integer option `name`, at least `minimum`."""
-    value = raw.get(name, default)
-    if not is_int(value) or value < minimum:
-        raise ConfigError(f"{where}.{name}: expected an integer >= {minimum}, got {value!r:.40}")
-    return value
+    """Return the integer option `name`, from `minimum` to `MAX_DIM` (2**31 - 1)."""
+    return check_int(f"{where}.{name}", raw.get(name, default), minimum)
 
 
 def size(raw: dict[str, Any], name: str, default: int, where: str) -> int:
@@ -184,15 +190,26 @@ def size(raw: dict[str, Any], name: str, default: int, where: str) -> int:
     return parse_size(raw.get(name, default), where=f"{where}.{name}")
 
 
-def seconds(raw: dict[str, Any], name: str, default: float, where: str) -> float:
-    """Return the option `name`, a positive finite number of seconds."""
+def seconds(
+    raw: dict[str, Any], name: str, default: float, where: str, *, allow_zero: bool = False
+) -> float:
+    """Return the option `name`, a number of seconds > 0 (>= 0 with `allow_zero`).
+
+    At most `MAX_SECONDS`: an integer too large for a float is refused, not converted.
+    """
     value = raw.get(name, default)
+    # NOTE: comparisons of int and float are exact in Python and never overflow, and NaN
+    # fails them all; so no float() or math.isfinite() of a huge integer is needed.
     ok = (
         not isinstance(value, bool)
         and isinstance(value, int | float)
-        and math.isfinite(value)
-        and value > 0
+        and (value >= 0 if allow_zero else value > 0)
+        and value <= MAX_SECONDS
     )
     if not ok:
-        raise ConfigError(f"{where}.{name}: expected a number of seconds > 0, got {value!r:.40}")
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(
+            f"{where}.{name}: expected a number of seconds {bound} and at most "
+            f"{MAX_SECONDS:,}, got {describe(value, 40)}"
+        )
     return float(value)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import urllib.parse
@@ -11,11 +10,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from kvtiers.core.checks import is_int
+from kvtiers.core.checks import check_int, describe
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.tiers._files import check_path
 from kvtiers.tiers._integrity import OPTION_NAMES as INTEGRITY_OPTIONS
+from kvtiers.tiers._pool_options import seconds
 from kvtiers.tiers.base import check_option_keys
 
 __all__ = ["RemoteOptions", "Redactor", "display_url"]
@@ -40,6 +40,10 @@ _SECRET_WORDS = frozenset(
 )
 _MIN_SECRET_CHARS = 4  # shorter values would be redacted out of ordinary text
 _MIN_ENV_SECRET_CHARS = 8  # environment values are many and not all credentials
+# NOTE: real storage options nest a few levels (client_kwargs.config.retries); deeper is a
+# mistake, or a YAML anchor inside itself, and would exhaust the stack of whoever walks it.
+_MAX_STORAGE_DEPTH = 32
+_WALKED = object()  # _check_nesting's marker: the container above is walked
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,36 +94,34 @@ class RemoteOptions:
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(
                 f"{where}.url: required; expected an fsspec URL such as 's3://bucket/prefix', "
-                f"got {url!r}"
+                f"got {describe(url)}"
             )
         check_path(url.strip().split("://", 1)[-1], f"{where}.url")
         storage = raw.get("storage_options", {})
         if not isinstance(storage, Mapping) or not all(isinstance(k, str) for k in storage):
-            raise ConfigError(f"{where}.storage_options: expected a table, got {storage!r:.60}")
+            raise ConfigError(f"{where}.storage_options: expected a table, got {describe(storage)}")
+        _check_nesting(storage, f"{where}.storage_options")
         ttl = raw.get("ttl")
         read_timeout = raw.get("read_timeout")
         return cls(
             url=url.strip(),
             storage_options=MappingProxyType(dict(storage)),
             max_in_flight=_int(raw, "max_in_flight", 16, 1, where),
-            timeout=_seconds(raw, "timeout", 10.0, where),
+            timeout=seconds(raw, "timeout", 10.0, where),
             read_timeout=(
-                None if read_timeout is None else _seconds(raw, "read_timeout", 0.0, where)
+                None if read_timeout is None else seconds(raw, "read_timeout", 0.0, where)
             ),
             retries=_int(raw, "retries", 3, 0, where),
             breaker_failures=_int(raw, "breaker_failures", 5, 1, where),
-            breaker_cooldown=_seconds(raw, "breaker_cooldown", 5.0, where),
-            ttl=None if ttl is None else _seconds(raw, "ttl", 0.0, where),
-            scan_interval=_seconds(raw, "scan_interval", 300.0, where, allow_zero=True),
+            breaker_cooldown=seconds(raw, "breaker_cooldown", 5.0, where),
+            ttl=None if ttl is None else seconds(raw, "ttl", 0.0, where),
+            scan_interval=seconds(raw, "scan_interval", 300.0, where, allow_zero=True),
             layer_reads=_flag(raw, "layer_reads", where),
         )
 
 
 def _int(raw: dict[str, Any], name: str, default: int, minimum: int, where: str) -> int:
-    value = raw.get(name, default)
-    if not is_int(value) or value < minimum:
-        raise ConfigError(f"{where}.{name}: expected an integer >= {minimum}, got {value!r}")
-    return value
+    return check_int(f"{where}.{name}", raw.get(name, default), minimum)
 
 
 def _flag(raw: dict[str, Any], name: str, where: str) -> bool | None:
@@ -127,24 +129,8 @@ def _flag(raw: dict[str, Any], name: str, where: str) -> bool | None:
         return None
     value = raw[name]
     if not isinstance(value, bool):
-        raise ConfigError(f"{where}.{name}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}.{name}: expected true or false, got {describe(value)}")
     return value
-
-
-def _seconds(
-    raw: dict[str, Any], name: str, default: float, where: str, *, allow_zero: bool = False
-) -> float:
-    value = raw.get(name, default)
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{where}.{name}: expected a number of seconds {bound}, got {value!r}")
-    return float(value)
 
 
 def display_url(url: str) -> str:
@@ -174,8 +160,8 @@ class Redactor:
         url: str = "",
         environ: Mapping[str, str] | None = None,
     ) -> None:
-        secrets: set[str] = set()
-        _collect(storage_options, secrets, secret_parent=False)
+        _check_nesting(storage_options, "storage_options")
+        secrets = _collect(storage_options)
         # Credentials a backend may take from the environment (AWS_SECRET_ACCESS_KEY...).
         env = os.environ if environ is None else environ
         secrets.update(
@@ -194,17 +180,61 @@ class Redactor:
         return text
 
 
-def _collect(value: object, out: set[str], *, secret_parent: bool, name: str = "") -> None:
-    secret = secret_parent or _is_secret_name(name)
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _collect(item, out, secret_parent=secret, name=str(key))
-    elif isinstance(value, list | tuple):
-        for item in value:
-            _collect(item, out, secret_parent=secret)
-    elif isinstance(value, str):
-        if secret:
-            out.add(value)
-        elif "@" in value and "://" in value:  # an endpoint with user info
-            userinfo = urllib.parse.urlsplit(value).netloc.rpartition("@")[0]
-            out.update(s for s in userinfo.split(":") if s)
+def _check_nesting(value: object, where: str) -> None:
+    """Raise a `ConfigError` naming `where` if `value` contains itself or nests too deep.
+
+    Tables and lists count as levels; more than `_MAX_STORAGE_DEPTH` are refused. A value
+    shared by several parents (a YAML anchor used twice) is walked again only when reached
+    deeper than before, so the walk costs at most `_MAX_STORAGE_DEPTH` times its size.
+    """
+    walked: dict[int, int] = {}  # container id -> the greatest depth it was walked at
+    # NOTE: an explicit stack, so no input can exhaust Python's; `path` holds the ids of
+    # the containers being walked (the ancestors), which a cycle meets again.
+    path: list[int] = []
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if item is _WALKED:  # the container on top of `path` is walked
+            walked[path.pop()] = depth
+        elif isinstance(item, Mapping | list | tuple) and walked.get(id(item), 0) < depth:
+            if id(item) in path:
+                raise ConfigError(f"{where}: contains itself (a YAML anchor inside itself?)")
+            if depth > _MAX_STORAGE_DEPTH:
+                raise ConfigError(f"{where}: nested more than {_MAX_STORAGE_DEPTH} levels deep")
+            path.append(id(item))
+            stack.append((_WALKED, depth))
+            children = item.values() if isinstance(item, Mapping) else item
+            stack.extend((child, depth + 1) for child in children)
+
+
+def _collect(storage_options: Mapping[str, Any]) -> set[str]:
+    """Return the secrets in `storage_options`, which passed `_check_nesting`.
+
+    A string is a secret below a secret name at any depth; an endpoint's user info is one.
+    """
+    out: set[str] = set()
+    # NOTE: a shared container is walked once for each way it is reached (under a secret
+    # name or not), so a tree of shared anchors costs its size, not its number of paths.
+    seen: set[tuple[int, bool]] = set()
+
+    def walk(value: object, secret: bool) -> None:
+        if isinstance(value, Mapping | list | tuple):
+            if (id(value), secret) in seen:
+                return
+            seen.add((id(value), secret))
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                name = key if isinstance(key, str) else describe(key)
+                walk(item, secret or _is_secret_name(name))
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item, secret)
+        elif isinstance(value, str):
+            if secret:
+                out.add(value)
+            elif "@" in value and "://" in value:  # an endpoint with user info
+                userinfo = urllib.parse.urlsplit(value).netloc.rpartition("@")[0]
+                out.update(s for s in userinfo.split(":") if s)
+
+    walk(storage_options, False)
+    return out

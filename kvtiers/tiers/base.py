@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Self, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvtiers.core.checks import describe
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
 from kvtiers.core.keys import KEY_BYTES, ChunkKey
@@ -35,7 +36,11 @@ _EVICTED_KEPT = 65_536  # keys a tier remembers having evicted until the cache t
 def check_option_keys(config: TierConfig, kind: str, allowed: Iterable[str]) -> None:
     """Raise a `ConfigError` naming the first kind option of `config` not in `allowed`."""
     known = sorted(allowed)
-    unknown = sorted(set(config.options) - set(known), key=str)
+    # NOTE: a key from a dict config may be anything hashable, such as an integer past
+    # Python's limit on digits, which str() refuses; describe() shows it safely.
+    unknown = sorted(
+        (k if isinstance(k, str) else describe(k) for k in config.options if k not in known),
+    )
     if unknown:
         expected = ", ".join(known) if known else "none"
         raise ConfigError(
