@@ -103,6 +103,24 @@ def test_a_failing_tier_is_recomputed(inprocess):
     assert all(o["cached"] == 0 for o in result["failing_contains"])
 
 
+def test_layer_wise_loads_from_a_pool_and_a_corrupt_later_layer(vllm_python, tiny_llama, tmp_path):
+    """A `file://` pool is read layer-wise (one wave per layer of the 2-layer model): a
+    fresh engine hits and answers as without kvtiers. Then the shared prefix's third chunk
+    gets a bad byte in layer 1, so its second wave fails after its first was written into
+    vLLM's blocks: those blocks are reported, vLLM recomputes them, outputs are the same."""
+    result = result_of(start(vllm_python, tiny_llama, tmp_path, "pool"))
+    baseline = tokens(result["baseline"])
+    assert result["layer_reads"]
+    assert tokens(result["clean"]) == baseline
+    assert all(o["cached"] >= PREFIX for o in result["clean"])
+    assert result["clean_tier_hits"]["remote"] >= PREFIX // 64
+    assert "load_errors" not in result["clean_stats"]
+    assert tokens(result["corrupt"]) == baseline
+    assert result["corrupt_stats"]["load_errors"] >= 1
+    assert result["corrupt_stats"]["load_failed_tokens"] >= 64
+    assert result["corrupt_remote"] >= 1  # found corrupt (by each load that read it), deleted
+
+
 def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):
     result, work = inprocess
     reader = start(vllm_python, tiny_llama, work, "shared", "--role", "reader")

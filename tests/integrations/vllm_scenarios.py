@@ -30,6 +30,9 @@ Scenarios:
 - `events`: vLLM's KV events on (published over ZMQ, received here as a router would) and
   kvtiers' `events` on, with a DRAM tier of four chunks: a prompt set is stored, a second
   one evicts it. Also feeds two ranks' events through vLLM's output aggregator.
+- `pool`: DRAM over a `file://` remote pool, read layer-wise: engine A stores; a fresh
+  engine B loads wave by wave; then one object of the shared prefix gets a bad byte in its
+  second layer, and a fresh engine C has that chunk's blocks recomputed.
 """
 
 from __future__ import annotations
@@ -255,6 +258,54 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     result["other_values_stored"], result["engine_c"] = on_other_values(
         model, work, layout, prompts
     )
+    return result
+
+
+def pool_tiers(work: Path) -> dict[str, Any]:
+    """DRAM over a `file://` remote pool, which layer-wise loads read wave by wave."""
+    pool = {"kind": "remote", "url": f"file://{work / 'pool'}", "capacity": "256MiB"}
+    return {"tiers": [{"kind": "dram", "capacity": "64MiB"}, pool]}
+
+
+async def _object_paths(config: dict[str, Any], layout: Any, prompt: list[int]) -> list[Path]:
+    from kvtiers import TieredCache
+
+    async with TieredCache.from_config(config, layout=layout) as cache:
+        remote = cache.tiers[1]
+        return [Path(f"{remote.namespace}/{k[:2].hex()}/{k.hex()}") for k in cache.keys(prompt)]
+
+
+def scenario_pool(model: str, work: Path) -> dict[str, Any]:
+    """Layer-wise loads from a remote pool; then one object's second layer corrupted."""
+    prompts = make_prompts(seed=3)
+    result: dict[str, Any] = {}
+    base = Engine(model, None, prefix_caching=False)
+    result["baseline"] = base.generate(prompts)
+    base.close()
+
+    writer = Engine(model, pool_tiers(work), prefix_caching=False)
+    writer.generate(prompts)
+    writer.connector.flush(60)
+    layout = writer.connector.layout
+    writer.close()
+
+    reader = Engine(model, pool_tiers(work), prefix_caching=False)  # empty DRAM
+    result["layer_reads"] = reader.connector._worker._entry.cache.tiers[1].layer_reads
+    result["clean"] = reader.generate(prompts)
+    result["clean_stats"] = reader.reported
+    result["clean_tier_hits"] = tier_hits(reader.connector)
+    reader.close()
+
+    # The shared prefix's third chunk: its layer 1 (the second wave) no longer verifies.
+    path = asyncio.run(_object_paths(pool_tiers(work), layout, prompts[0]))[2]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - layout.chunk_bytes + layout.layer_bytes + 17] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    reader = Engine(model, pool_tiers(work), prefix_caching=False)
+    result["corrupt"] = reader.generate(prompts)
+    result["corrupt_stats"] = reader.reported
+    result["corrupt_remote"] = reader.connector.stats().tiers[1].corrupt
+    reader.close()
     return result
 
 
@@ -522,7 +573,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "scenario",
-        choices=["inprocess", "shared", "multiprocess", "events", "tp2", "pp2", "mla", "mla-tp2"],
+        choices=[
+            "inprocess",
+            "shared",
+            "multiprocess",
+            "events",
+            "tp2",
+            "pp2",
+            "mla",
+            "mla-tp2",
+            "pool",
+        ],
     )
     parser.add_argument("--model", required=True)
     parser.add_argument("--work", required=True, type=Path)
@@ -549,6 +610,8 @@ def main() -> None:
         result = scenario_mla(args.model, args.work)
     elif args.scenario == "mla-tp2":
         result = scenario_mla_tp2(args.model, args.work)
+    elif args.scenario == "pool":
+        result = scenario_pool(args.model, args.work)
     else:
         result = scenario_multiprocess(args.model, args.work)
     result["seconds"] = time.perf_counter() - started
