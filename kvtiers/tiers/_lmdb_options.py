@@ -24,9 +24,9 @@ __all__ = [
 ]
 
 _MIB = 2**20
-# NOTE: mdb_env_set_maxreaders takes a C unsigned int; more cannot even reach LMDB. The
-# py-lmdb binding refuses more than 2**31 - 1 when the environment opens (a TierIOError).
-_MAX_READERS = 2**32 - 1
+# NOTE: py-lmdb refuses more than 2**31 - 1 readers when the environment opens; refused
+# at load, so the config's error names the field.
+_MAX_READERS = 2**31 - 1
 _OPTIONS = (
     "map_size",
     "max_readers",
