@@ -23,26 +23,19 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import re
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kvtiers import TieredCache
-from kvtiers._streaming import OnLayers
 from kvtiers._tensors import torch_dtype
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._vllm_kv import PagedLayout
+from kvtiers.integrations._vllm_loads import Load, Save, layer_order, load_from
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
-    LoadSpec,
-    Salt,
-    SaveSpec,
     StepPlan,
     tokens_of,
 )
@@ -50,51 +43,6 @@ from kvtiers.integrations._vllm_plan import (
 __all__ = ["WorkerSide", "layer_order"]
 
 logger = logging.getLogger("kvtiers.vllm")
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def layer_order(names: list[str]) -> list[str]:
-    """Return layer names in model order (by the `layers.<i>.` index, else as given)."""
-    indexed = [(m.group(1) if (m := _LAYER_INDEX.search(n)) else None, n) for n in names]
-    if all(i is not None for i, _ in indexed):
-        return [n for _, n in sorted(indexed, key=lambda p: int(p[0] or 0))]
-    return list(names)
-
-
-@dataclass(slots=True, eq=False)
-class _Load:
-    spec: LoadSpec
-    staging: torch.Tensor
-    block_ids: torch.Tensor
-    future: concurrent.futures.Future[int]
-    base: int
-    """The request's token at the start of `staging`."""
-    waves: list[tuple[int, int]]
-    """`(num_layers, num_tokens)` from `staging`'s start, as the layer-wise load reports
-    them (appended on the cache's loop thread)."""
-    upto: int = -1
-    """Tokens usable after the load finished (-1 while unknown)."""
-    least: int = -1
-    """The fewest tokens any layer was written with (-1: no layer yet)."""
-    gave_up: bool = False
-    """The step's load deadline passed while waiting for it."""
-    layers_done: set[int] = field(default_factory=set)
-
-    def tokens_of_layer(self, layer: int) -> int | None:
-        """Return the request's tokens whose layer `layer` is final, if reported yet."""
-        for num_layers, num_tokens in list(self.waves):
-            if num_layers > layer:
-                return self.base + num_tokens
-        return None
-
-
-@dataclass(slots=True, eq=False)
-class _Save:
-    spec: SaveSpec
-    staging: torch.Tensor
-    block_ids: torch.Tensor
-    layers_done: set[int] = field(default_factory=set)
 
 
 class WorkerSide:
@@ -124,8 +72,8 @@ class WorkerSide:
         self._paged = paged
         self.layout = layout
         self._device = next(iter(layers.values())).device
-        self._loads: list[_Load] = []
-        self._saves: list[_Save] = []
+        self._loads: list[Load] = []
+        self._saves: list[Save] = []
         self._failed: set[int] = set()
         self._finished: set[str] = set()
         self._pending: set[concurrent.futures.Future[int]] = set()
@@ -157,13 +105,13 @@ class WorkerSide:
             waves: list[tuple[int, int]] = []
             report = functools.partial(self._wave_arrived, waves)
             try:
-                future = loop.submit(_load_from(cache, tokens, spec.salt, first, staging, report))
+                future = loop.submit(load_from(cache, tokens, spec.salt, first, staging, report))
             except Exception:  # the loop is gone: every block of the request fails
                 logger.exception("kvtiers: starting a load failed")
                 future = concurrent.futures.Future()
                 future.set_exception(RuntimeError("kvtiers loop unavailable"))
             future.add_done_callback(self._load_ended)
-            self._loads.append(_Load(spec, staging, ids, future, first * chunk, waves))
+            self._loads.append(Load(spec, staging, ids, future, first * chunk, waves))
 
     def _wave_arrived(self, waves: list[tuple[int, int]], num_layers: int, num_tokens: int) -> None:
         with self._arrived:
@@ -174,7 +122,7 @@ class WorkerSide:
         with self._arrived:
             self._arrived.notify_all()
 
-    def _layer_upto(self, job: _Load, layer: int) -> int:
+    def _layer_upto(self, job: Load, layer: int) -> int:
         """Wait until layer `layer` of `job` is final; return the tokens it covers.
 
         Waits at most until the step's load deadline; past it the load is given up (every
@@ -305,7 +253,7 @@ class WorkerSide:
                 pin_memory=self._device.type == "cuda",
             )
             ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
-            self._saves.append(_Save(spec, staging, ids))
+            self._saves.append(Save(spec, staging, ids))
 
     def save_layer(self, name: str, layer: torch.Tensor) -> None:
         """Gather layer `name` of every save of this step into its staging tensor."""
@@ -350,7 +298,7 @@ class WorkerSide:
             if save.spec.finished:
                 self._finished.add(save.spec.req_id)
 
-    def _submit_store(self, job: _Save) -> None:
+    def _submit_store(self, job: Save) -> None:
         with self._lock:
             if len(self._pending) >= self._settings.max_pending_saves:
                 self._counts["saves_skipped"] = self._counts.get("saves_skipped", 0) + 1
@@ -415,28 +363,3 @@ class WorkerSide:
         if counts.get("loaded_tokens"):
             counts["loaded_bytes"] = counts["loaded_tokens"] * self.layout.bytes_per_token
         return counts
-
-
-async def _load_from(
-    cache: TieredCache,
-    tokens: Any,
-    salt: Salt,
-    first: int,
-    staging: torch.Tensor,
-    on_layers: OnLayers,
-) -> int:
-    """Load the cached chunks of `tokens` from chunk `first` on into `staging`, layer-wise.
-
-    Returns:
-        The tokens of the request's cached prefix now in vLLM's reach: `first` chunks plus
-        the leading run of chunks delivered.
-    """
-    if first == 0:
-        loaded = await cache.load(tokens, salt=salt, out=staging, on_layers=on_layers)
-        return int(loaded.shape[2])
-    size = cache.layout.chunk_size
-    keys = cache.keys(tokens, salt=salt)
-    dsts = [staging.narrow(2, i * size, size) for i in range(len(keys) - first)]
-    found = await cache.get_chunks(keys[first:], dsts, parent=keys[first - 1], on_layers=on_layers)
-    run = next((i for i, hit in enumerate(found) if not hit), len(found))
-    return (first + run) * size

@@ -1,0 +1,95 @@
+"""The worker's per-request records of a step, and the load it runs on the cache's loop.
+
+`load_from` reads a request's cached chunks layer-wise (`TieredCache.load` or
+`get_chunks` with `on_layers`) into the request's staging tensor; `Load` keeps what the
+waves reported, so `WorkerSide.wait_for_layer` knows which tokens of a layer are final.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtiers import TieredCache
+from kvtiers._streaming import OnLayers
+from kvtiers.integrations._vllm_plan import LoadSpec, Salt, SaveSpec
+
+__all__ = ["Load", "Save", "layer_order", "load_from"]
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_order(names: list[str]) -> list[str]:
+    """Return layer names in model order (by the `layers.<i>.` index, else as given)."""
+    indexed = [(m.group(1) if (m := _LAYER_INDEX.search(n)) else None, n) for n in names]
+    if all(i is not None for i, _ in indexed):
+        return [n for _, n in sorted(indexed, key=lambda p: int(p[0] or 0))]
+    return list(names)
+
+
+@dataclass(slots=True, eq=False)
+class Load:
+    """One request's load in a step: where it lands and how far its waves got."""
+
+    spec: LoadSpec
+    staging: torch.Tensor
+    block_ids: torch.Tensor
+    future: concurrent.futures.Future[int]
+    base: int
+    """The request's token at the start of `staging`."""
+    waves: list[tuple[int, int]]
+    """`(num_layers, num_tokens)` from `staging`'s start, as the layer-wise load reports
+    them (appended on the cache's loop thread)."""
+    upto: int = -1
+    """Tokens usable after the load finished (-1 while unknown)."""
+    least: int = -1
+    """The fewest tokens any layer was written with (-1: no layer yet)."""
+    gave_up: bool = False
+    """The step's load deadline passed while waiting for it."""
+    layers_done: set[int] = field(default_factory=set)
+
+    def tokens_of_layer(self, layer: int) -> int | None:
+        """Return the request's tokens whose layer `layer` is final, if reported yet."""
+        for num_layers, num_tokens in list(self.waves):
+            if num_layers > layer:
+                return self.base + num_tokens
+        return None
+
+
+@dataclass(slots=True, eq=False)
+class Save:
+    """One request's save in a step: the staged KV and the layers gathered so far."""
+
+    spec: SaveSpec
+    staging: torch.Tensor
+    block_ids: torch.Tensor
+    layers_done: set[int] = field(default_factory=set)
+
+
+async def load_from(
+    cache: TieredCache,
+    tokens: Any,
+    salt: Salt,
+    first: int,
+    staging: torch.Tensor,
+    on_layers: OnLayers,
+) -> int:
+    """Load the cached chunks of `tokens` from chunk `first` on into `staging`, layer-wise.
+
+    Returns:
+        The tokens of the request's cached prefix now in vLLM's reach: `first` chunks plus
+        the leading run of chunks delivered.
+    """
+    if first == 0:
+        loaded = await cache.load(tokens, salt=salt, out=staging, on_layers=on_layers)
+        return int(loaded.shape[2])
+    size = cache.layout.chunk_size
+    keys = cache.keys(tokens, salt=salt)
+    dsts = [staging.narrow(2, i * size, size) for i in range(len(keys) - first)]
+    found = await cache.get_chunks(keys[first:], dsts, parent=keys[first - 1], on_layers=on_layers)
+    run = next((i for i, hit in enumerate(found) if not hit), len(found))
+    return (first + run) * size
