@@ -30,23 +30,10 @@ from kvtiers.core.config import (
 )
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
+from tests._hostile import deep_dict, deep_list
 
 LAYOUT: dict[str, Any] = {"model": "m", "num_layers": 2, "num_kv_heads": 2, "head_size": 8}
 HUGE = 10**5000  # past Python's 4,300-digit limit on int-to-str conversion
-
-
-def deep_list(depth: int) -> list[Any]:
-    value: list[Any] = []
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
-def deep_dict(depth: int) -> dict[str, Any]:
-    value: dict[str, Any] = {}
-    for _ in range(depth):
-        value = {"a": value}
-    return value
 
 
 def config(**overrides: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from kvtiers.tiers._pool_options import MooncakeOptions, RedisOptions
 from kvtiers.tiers._remote_options import Redactor, RemoteOptions
 from kvtiers.tiers.base import check_option_keys
 from tests._cli_errors import one_line_error
+from tests._hostile import deep_dict, deep_list
 
 HUGE = int("9" * 400)  # past float range: math.isfinite and float() overflow
 BIGGER = 10**5000  # past Python's 4,300-digit limit on int-to-text
@@ -38,21 +39,7 @@ LAYOUT_YAML = (
 )
 
 
-def deep_list(depth: int = DEEP) -> list[Any]:
-    value: list[Any] = []
-    for _ in range(depth):
-        value = [value]
-    return value
-
-
-def deep_dict(depth: int) -> dict[str, Any]:
-    value: dict[str, Any] = {}
-    for _ in range(depth):
-        value = {"k": value}
-    return value
-
-
-HOSTILE = [HUGE, BIGGER, -BIGGER, deep_list()]
+HOSTILE = [HUGE, BIGGER, -BIGGER, deep_list(DEEP)]
 HOSTILE_IDS = ["huge", "bigger", "-bigger", "deep"]
 
 
@@ -152,7 +139,7 @@ def test_storage_options_nested_too_deep_are_config_errors(depth: int) -> None:
 
 
 def test_storage_options_that_are_not_a_table_are_described_safely() -> None:
-    refused(RemoteOptions.from_config, remote_config(deep_list()), "storage_options")
+    refused(RemoteOptions.from_config, remote_config(deep_list(DEEP)), "storage_options")
     refused(RemoteOptions.from_config, remote_config(BIGGER), "storage_options")
 
 
