@@ -562,7 +562,9 @@ def test_valid_configs_round_trip_through_toml_yaml_and_dicts(
     assert load_config(toml) == cfg
     yaml = pytest.importorskip("yaml")
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    # NOTE: escaped, since PyYAML writes U+0085 (NEL) raw with allow_unicode and then
+    # reads it back as a line break, folded to a space: the dumper's quirk, not the loader's.
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
     assert load_config(path) == cfg
 
 
