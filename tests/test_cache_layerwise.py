@@ -263,3 +263,24 @@ async def test_layer_reads_default_on_for_local_files_only(tmp_path: Path) -> No
 def test_layer_reads_must_be_a_bool(tmp_path: Path, value: object) -> None:
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.layer_reads: expected true or false"):
         TieredCache.from_config(cfg(remote(tmp_path, layer_reads=value)))
+
+
+def test_explain_says_whether_layer_reads_are_on(tmp_path: Path, capsys) -> None:
+    from kvtiers.cli import main
+
+    config = tmp_path / "tiers.toml"
+    pool = f"file://{tmp_path}/pool"
+    config.write_text(
+        "[layout]\nmodel = 'm'\nnum_layers = 8\nnum_kv_heads = 2\nhead_size = 8\n"
+        "dtype = 'float16'\nchunk_size = 16\n"
+        f"[[tiers]]\nkind = 'remote'\nurl = '{pool}'\ncapacity = '4MiB'\n"
+        "[[tiers]]\nkind = 'remote'\nname = 'other'\nurl = 'memory://explain'\n"
+        "capacity = '4MiB'\n"
+    )
+    assert main(["explain", str(config)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "layer reads" in line]
+    assert lines == [
+        "  layer reads on: layer-wise loads read waves of layers (the default here; see "
+        "layer_reads)",
+        "  layer reads off (the default here; see layer_reads)",
+    ]

@@ -314,15 +314,15 @@ class RemoteTier(Tier):
 
     @property
     def layer_reads(self) -> bool:
-        """Whether `get_layers` reads byte ranges: as the `layer_reads` option says (by
-        default on a local filesystem only), and never with integrity on.
-
-        A tag covers the whole payload, so with an `auth_key` every read is whole.
-        """
+        """Whether `get_layers` reads byte ranges (`layer_reads`; never with integrity)."""
         wanted = self.options.layer_reads
-        if wanted is None:
-            wanted = self._store.local
-        return wanted and self._codec.auth_key is None
+        return (self._store.local if wanted is None else wanted) and self._codec.auth_key is None
+
+    def explain_lines(self) -> list[str]:
+        """Return what `kvtiers explain` shows of this tier beyond its config."""
+        why = "the option" if self.options.layer_reads is not None else "the default here"
+        state = "on: layer-wise loads read waves of layers" if self.layer_reads else "off"
+        return [f"  layer reads {state} ({why}; see layer_reads)"]
 
     async def get_layers(
         self,
