@@ -20,7 +20,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.copy_engine import CopyEngine
 from kvtiers.gpu.handle import CopyHandle
 from kvtiers.gpu.paged import PagedKV, payload_tensor
-from kvtiers.tiers._layers import write_layers
+from kvtiers.tiers._layers import layer_pieces, write_layers
 from kvtiers.tiers.base import Buffer
 
 __all__ = [
@@ -183,8 +183,7 @@ class ChunkSink(Sink):
 
 def _copy_layers(dst: Buffer, view: Buffer, layers: range, layout: KVLayout) -> None:
     """Copy `layers` of the chunk bytes `view` (C-contiguous) into the chunk buffer `dst`."""
-    flat, step = view.reshape(-1), layout.layer_bytes
-    pieces = [(i, flat.data[i * step : (i + 1) * step]) for i in layers]
+    pieces = layer_pieces(view.reshape(-1).data, layers, layout.layer_bytes)
     write_layers(dst, pieces, layout.num_layers)
 
 

@@ -171,20 +171,28 @@ class Gatherer(WriteQueues):
         # first; then every other wave is asked for at once (a store answers each after
         # its own first byte, not after the waves before it) and each is delivered in
         # order as it arrives, for the chunks whose earlier waves all arrived.
-        async def read(wave: int) -> list[bool]:
-            op = slot.tier.get_layers(keys, sink.waves[wave], dsts, tally=wave == 0)
-            return await self._call(slot, "get", op, list(none))
+        async def read(wave: int, which: list[int]) -> list[bool]:
+            """Read wave `wave` of chunks `which` (positions in `keys`); flags aligned."""
+            part = [keys[j] for j in which]
+            op = slot.tier.get_layers(
+                part, sink.waves[wave], [dsts[j] for j in which], tally=wave == 0
+            )
+            return await self._call(slot, "get", op, [False] * len(which))
 
-        first = await read(0)
-        live = [j for j in range(len(keys)) if first[j]]
+        every = list(range(len(keys)))
+        first = await read(0, every)
+        live = [j for j in every if first[j]]
         await sink.deliver_wave(
             0, [idxs[j] for j in live], [dsts[j] for j in live], in_place=in_place
         )
+        # NOTE: later waves ask only for the chunks the first found (a miss or a bad object
+        # is not asked for again).
+        asked = live
         async with asyncio.TaskGroup() as group:
-            reads = [group.create_task(read(w)) for w in range(1, len(sink.waves)) if live]
+            reads = [group.create_task(read(w, asked)) for w in range(1, len(sink.waves)) if asked]
             for wave, task in enumerate(reads, start=1):
-                flags = await task
-                live = [j for j in live if flags[j]]
+                got = dict(zip(asked, await task, strict=True))
+                live = [j for j in live if got[j]]
                 await sink.deliver_wave(
                     wave, [idxs[j] for j in live], [dsts[j] for j in live], in_place=in_place
                 )

@@ -17,7 +17,7 @@ from kvtiers.core.errors import InvalidInputError
 if TYPE_CHECKING:
     from kvtiers.tiers.base import Buffer
 
-__all__ = ["Pieces", "check_layers", "write_layers"]
+__all__ = ["Pieces", "check_layers", "layer_pieces", "write_layers"]
 
 Pieces = list[tuple[int, memoryview]]
 """`(layer index, that layer's bytes)` pairs."""
@@ -35,6 +35,11 @@ def check_layers(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
     if not wanted or len(set(wanted)) != len(wanted):
         raise InvalidInputError(f"layers: expected distinct layer indices, got {layers!r}")
     return tuple(wanted)
+
+
+def layer_pieces(payload: memoryview, layers: Sequence[int], layer_bytes: int) -> Pieces:
+    """Return `(layer, bytes)` of `layers` of a whole payload (flat bytes, layer-major)."""
+    return [(i, payload[i * layer_bytes : (i + 1) * layer_bytes]) for i in layers]
 
 
 def write_layers(dst: Buffer, pieces: Pieces, num_layers: int) -> None:

@@ -15,13 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import lmdb
-import numpy as np
 
 from kvtiers.core.errors import CacheStateError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _chunk_format as fmt
-from kvtiers.tiers._layers import Pieces, write_layers
+from kvtiers.tiers._layers import layer_pieces, write_layers
 from kvtiers.tiers.base import Buffer
 
 __all__ = ["ValueReader", "run_jobs"]
@@ -101,21 +100,22 @@ class ValueReader:
 
     def whole(self, key: bytes, raw: fmt.Bytes, dst: Buffer) -> fmt.Verdict:
         """Verify `raw` and copy its payload into `dst` when it is `Verdict.OK`."""
-        verdict, payload = self._check(key, raw)
-        if payload is not None:  # verified before a byte reaches the destination
-            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
-        return verdict
+        return fmt.check_into(
+            raw,
+            dst,
+            fingerprint=self.layout.fingerprint,
+            key=key,
+            payload_len=self.layout.chunk_bytes,
+            auth_key=self.auth_key,
+        )
 
     def layers(self, key: bytes, raw: fmt.Bytes, dst: Buffer, wanted: Sequence[int]) -> fmt.Verdict:
         """Verify `raw` whole and copy its layers `wanted` into `dst` (the rest left alone)."""
         verdict, payload = self._check(key, raw)
         if payload is not None:
-            write_layers(dst, self._pieces(payload, wanted), self.layout.num_layers)
+            pieces = layer_pieces(payload, wanted, self.layout.layer_bytes)
+            write_layers(dst, pieces, self.layout.num_layers)
         return verdict
-
-    def _pieces(self, payload: memoryview, wanted: Sequence[int]) -> Pieces:
-        step = self.layout.layer_bytes
-        return [(i, payload[i * step : (i + 1) * step]) for i in wanted]
 
     def _check(self, key: bytes, raw: fmt.Bytes) -> tuple[fmt.Verdict, memoryview | None]:
         return fmt.check_value(

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _chunk_format as fmt
-from kvtiers.tiers._layers import Pieces, check_layers, write_layers
+from kvtiers.tiers._layers import Pieces, check_layers, layer_pieces, write_layers
 
 __all__ = ["LayerPlan", "Pieces", "write_layers"]
 
@@ -113,5 +113,4 @@ class LayerPlan:
 
     def from_payload(self, payload: memoryview) -> Pieces:
         """Return the planned layers of a whole, verified payload."""
-        step = self.layout.layer_bytes
-        return [(i, payload[i * step : (i + 1) * step]) for i in self.layers]
+        return layer_pieces(payload, self.layers, self.layout.layer_bytes)

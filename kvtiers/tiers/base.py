@@ -18,7 +18,7 @@ from kvtiers.core.errors import CacheStateError, ConfigError, InvalidInputError
 from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierCounters, TierStats, TierUsage
-from kvtiers.tiers._layers import check_layers, write_layers
+from kvtiers.tiers._layers import check_layers, layer_pieces, write_layers
 
 __all__ = ["Buffer", "Tier", "TierState", "check_keys", "check_option_keys"]
 
@@ -223,16 +223,15 @@ class Tier(ABC):
         wanted = check_layers(layers, self.layout.num_layers)
         if not keys:
             return []
-        before = (self.counters.hits, self.counters.misses)
         scratch = np.empty((len(keys), self.layout.chunk_bytes), dtype=np.uint8)
         found = await self.get(keys, list(scratch))
-        if not tally:
-            self.counters.hits, self.counters.misses = before
+        if not tally:  # take back what `get` counted (other calls may count meanwhile)
+            self.counters.hits -= sum(found)
+            self.counters.misses -= len(found) - sum(found)
         step = self.layout.layer_bytes
         for row, dst, hit in zip(scratch, dsts, found, strict=True):
             if hit:
-                pieces = [(i, row.data[i * step : (i + 1) * step]) for i in wanted]
-                write_layers(dst, pieces, self.layout.num_layers)
+                write_layers(dst, layer_pieces(row.data, wanted, step), self.layout.num_layers)
         return found
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - an optional hook
