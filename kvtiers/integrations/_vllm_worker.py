@@ -122,18 +122,23 @@ class WorkerSide:
         with self._arrived:
             self._arrived.notify_all()
 
+    def _step_deadline(self) -> float:
+        """Return this step's load deadline, set by its first wait."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._settings.load_timeout_s
+        return self._deadline
+
     def _layer_upto(self, job: Load, layer: int) -> int:
         """Wait until layer `layer` of `job` is final; return the tokens it covers.
 
         Waits at most until the step's load deadline; past it the load is given up (every
         block is then reported, and vLLM recomputes them).
         """
-        if self._deadline is None:
-            self._deadline = time.monotonic() + self._settings.load_timeout_s
+        deadline = self._step_deadline()
         started = time.monotonic()
         with self._arrived:
             while (upto := job.tokens_of_layer(layer)) is None:
-                left = self._deadline - time.monotonic()
+                left = deadline - time.monotonic()
                 if job.gave_up or job.future.done() or left <= 0:
                     job.gave_up = job.gave_up or left <= 0
                     upto = 0
@@ -151,8 +156,7 @@ class WorkerSide:
         A block counts as loaded only if the whole load delivered it and every layer was
         written with it (a later wave may have come up shorter than an earlier one).
         """
-        if self._deadline is None:
-            self._deadline = time.monotonic() + self._settings.load_timeout_s
+        deadline = self._step_deadline()
         block = self._paged.block_size
         for job in self._loads:
             if job.upto >= 0:
@@ -162,7 +166,7 @@ class WorkerSide:
             try:
                 if job.gave_up:
                     raise TimeoutError("the load deadline passed")
-                left = max(0.0, self._deadline - time.monotonic())
+                left = max(0.0, deadline - time.monotonic())
                 loaded = job.future.result(timeout=left)
             except Exception as exc:
                 job.future.cancel()
