@@ -66,7 +66,11 @@ def test_fresh_engine_gets_the_shared_prefix_from_kvtiers(inprocess):
     assert all(o["cached"] >= PREFIX for o in result["engine_b"])
     whole = result["prompts"][-1]  # five whole chunks: vLLM computes only the last token
     assert len(whole) % 64 == 0 and result["engine_b"][-1]["cached"] == len(whole) - 1
-    assert result["engine_b_tier_hits"]["lmdb"] >= len(baseline) * PREFIX // 64
+    # Every prompt's prefix chunks came from a kvtiers tier: the first loads from LMDB
+    # (DRAM starts empty); a load that runs after another promoted them hits DRAM.
+    hits = result["engine_b_tier_hits"]
+    assert hits["lmdb"] >= PREFIX // 64
+    assert hits["lmdb"] + hits.get("dram", 0) >= len(baseline) * PREFIX // 64
     reported = result["engine_b_stats"]  # what get_kv_connector_stats handed vLLM
     assert reported["loaded_tokens"] >= len(baseline) * PREFIX
     assert reported["hits_lmdb"] > 0
