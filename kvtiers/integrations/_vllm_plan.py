@@ -66,6 +66,10 @@ class ConnectorSettings:
     """What vLLM does when a load fails: recompute (kvtiers' default) or fail the request."""
     event_chunks: int = 8192
     """With KV events on: chunks whose vLLM block hashes and tokens a worker remembers."""
+    handoff_wait_s: float = 5.0
+    """How long a request waits for KV a producer announced (prefill/decode hand-off)."""
+    handoff_poll_ms: float = 10.0
+    """While a request waits for announced KV: the pause between two of its lookups."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -100,7 +104,14 @@ class ConnectorSettings:
             raise ConfigError(f"{_WHERE}.model_name: expected a non-empty string")
         if not isinstance(self.store_generated, bool):
             raise ConfigError(f"{_WHERE}.store_generated: expected true or false")
-        for name in ("lookup_wait_ms", "lookup_deadline_s", "load_timeout_s", "close_timeout_s"):
+        for name in (
+            "lookup_wait_ms",
+            "lookup_deadline_s",
+            "load_timeout_s",
+            "close_timeout_s",
+            "handoff_wait_s",
+            "handoff_poll_ms",
+        ):
             value = getattr(self, name)
             # NOTE: an infinite wait overflows the futures' and locks' timeouts.
             if isinstance(value, bool) or not isinstance(value, int | float):

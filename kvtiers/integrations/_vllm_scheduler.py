@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtiers.integrations._vllm_events import block_origin
+from kvtiers.integrations._vllm_handoff import Role, announce, announced_tokens
 from kvtiers.integrations._vllm_plan import (
     BlockOrigin,
     ConnectorSettings,
@@ -67,6 +68,12 @@ class _Tracked:
     """`num_computed_tokens` of the last `get_num_new_matched_tokens` call."""
     cached: int = 0
     """Tokens of the request known to be in kvtiers (found by a lookup, or saved)."""
+    awaited: int = 0
+    """Prompt tokens a producer announced and no lookup has found yet (0: none awaited)."""
+    waiting_since: float | None = None
+    """When a lookup first found less than a producer announced."""
+    next_lookup_at: float = 0.0
+    """While waiting for announced KV: no new lookup before this time."""
 
 
 class SchedulerSide:
@@ -80,6 +87,7 @@ class SchedulerSide:
         clock: monotonic seconds (injected for tests).
         kv_events: send vLLM's block hashes with each load and save, for the workers'
             KV events.
+        role: what the engine's `kv_role` lets the connector do (`kv_both` by default).
     """
 
     def __init__(
@@ -90,6 +98,8 @@ class SchedulerSide:
         lookup: Callable[[], Lookup],
         clock: Callable[[], float] = time.monotonic,
         kv_events: bool = False,
+        *,
+        role: Role | None = None,
     ) -> None:
         self._settings = settings
         self._block = block_size
@@ -98,6 +108,7 @@ class SchedulerSide:
         self._lookup: Lookup | None = None
         self._clock = clock
         self._kv_events = kv_events
+        self._role = role or Role.of(None)
         self._reqs: dict[str, _Tracked] = {}
         self._plan = StepPlan()
         self._lock = threading.Lock()
@@ -110,6 +121,10 @@ class SchedulerSide:
             "lookup_errors": 0,
             "planned_load_tokens": 0,
             "planned_save_tokens": 0,
+            "handoff_waits": 0,
+            "handoff_arrived": 0,
+            "handoff_timeouts": 0,
+            "handoff_bad_params": 0,
         }
 
     # -- requests ----------------------------------------------------------------------
@@ -121,8 +136,19 @@ class SchedulerSide:
                 getattr(request, "prompt_embeds", None) is None
             )
             tracked = _Tracked(request=request, salt=salt_of(request), eligible=eligible)
+            tracked.awaited = self._announced(request) if eligible else 0
             self._reqs[request.request_id] = tracked
         return tracked
+
+    def _announced(self, request: Any) -> int:
+        """Return the prompt tokens a producer announced for `request` (0 if none)."""
+        try:
+            tokens = announced_tokens(getattr(request, "kv_transfer_params", None))
+        except ValueError as exc:
+            logger.warning("kvtiers: %s; not waiting for a producer's KV", exc)
+            self._count("handoff_bad_params")
+            return 0
+        return tokens or 0
 
     def on_new_request(self, request: Any) -> None:
         """Start tracking `request`."""
@@ -135,8 +161,9 @@ class SchedulerSide:
 
         Side-effect free for vLLM: callable many times; the answer of a finished lookup is
         kept until blocks are allocated. `None` means 'ask again later' (a lookup is still
-        running, e.g. on a slow shared tier). Loads are synchronous (layer by layer in the
-        forward pass), so the second value is always False.
+        running, e.g. on a slow shared tier, or the request waits for KV that a producer
+        announced and the lookups have not found yet). Loads are synchronous (layer by layer
+        in the forward pass), so the second value is always False.
         """
         tracked = self._track(request)
         # NOTE: whole chunks are looked up, up to the whole prompt, but vLLM must compute
@@ -149,8 +176,10 @@ class SchedulerSide:
             return 0, False
         tracked.asked_computed = num_computed_tokens
         if tracked.answer is None:
+            if tracked.future is None and self._clock() < tracked.next_lookup_at:
+                return None, False
             hit = self._await_lookup(tracked, whole)
-            if hit is None:
+            if hit is None or self._awaits_more(tracked, hit, whole):
                 return None, False
             tracked.answer = hit
             tracked.cached = max(tracked.cached, hit)
@@ -191,6 +220,36 @@ class SchedulerSide:
         tracked.future = None
         self._count("lookup_hit_tokens", hit)
         return hit
+
+    def _awaits_more(self, tracked: _Tracked, hit: int, whole: int) -> bool:
+        """Return whether to look again for announced KV that `hit` falls short of.
+
+        A producer's saves reach the shared tiers after it has answered, so the first
+        lookups of a consumer can miss them. The request waits (vLLM skips it for a step)
+        and is looked up again every `handoff_poll_ms`, for at most `handoff_wait_s`.
+        """
+        wanted = min(tracked.awaited, whole)
+        if hit >= wanted:
+            if tracked.awaited and tracked.waiting_since is not None:
+                self._count("handoff_arrived")
+            tracked.awaited = 0
+            return False
+        now = self._clock()
+        if tracked.waiting_since is None:
+            tracked.waiting_since = now
+            self._count("handoff_waits")
+        if now - tracked.waiting_since < self._settings.handoff_wait_s:
+            tracked.next_lookup_at = now + self._settings.handoff_poll_ms / 1000
+            return True
+        logger.warning(
+            "kvtiers: %d of %d announced tokens arrived within %ss; the rest is computed",
+            hit,
+            wanted,
+            self._settings.handoff_wait_s,
+        )
+        self._count("handoff_timeouts")
+        tracked.awaited = 0
+        return False
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
@@ -237,7 +296,7 @@ class SchedulerSide:
         plan, self._plan = self._plan, StepPlan()
         for req_id, num_new in num_scheduled_tokens.items():
             tracked = self._reqs.get(req_id)
-            if tracked is None or not tracked.eligible:
+            if tracked is None or not tracked.eligible or not self._role.saves:
                 continue
             request = tracked.request
             target = request.num_prompt_tokens // self._chunk * self._chunk
@@ -260,22 +319,34 @@ class SchedulerSide:
             self._count("planned_save_tokens", target)
         return plan
 
-    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
-        """Forget `request`; return whether its blocks must wait for a save.
+    def request_finished(
+        self, request: Any, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget `request`; return whether its blocks must wait for a save, and its params.
 
         With `store_generated`, the full chunks of prompt and output that are not stored
         yet are saved in the next step; vLLM keeps the blocks until the workers report the
-        save done (`get_finished`).
+        save done (`get_finished`). A producer returns, as `kv_transfer_params`, how many
+        tokens of the request kvtiers holds (`_vllm_handoff`); other roles return `None`.
         """
         tracked = self._reqs.pop(request.request_id, None)
         if tracked is not None and tracked.future is not None:
             tracked.future.cancel()
-        if not self._settings.store_generated or tracked is None or not tracked.eligible:
+        if tracked is None or not tracked.eligible:
+            return False, None
+        delay = self._save_finished(request, tracked, block_ids)
+        params = announce(tracked.cached) if self._role.announces and tracked.cached else None
+        return delay, params
+
+    def _save_finished(self, request: Any, tracked: _Tracked, block_ids: Sequence[int]) -> bool:
+        """Plan the save of a finished request's generated chunks; return whether planned."""
+        if not self._settings.store_generated or not self._role.saves:
             return False
         target = request.num_computed_tokens // self._chunk * self._chunk
         target = min(target, len(block_ids) * self._block // self._chunk * self._chunk)
         if target <= tracked.cached:
             return False
+        tracked.cached = target
         self._plan.saves.append(
             SaveSpec(
                 req_id=request.request_id,

@@ -30,11 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtiers.cache import TieredCache
+from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_events import EventQuorum, WorkerEvents, kv_events_on
+from kvtiers.integrations._vllm_handoff import Role
 from kvtiers.integrations._vllm_messages import (
     KVTiersConnectorMetadata,
     KVTiersConnectorStats,
@@ -75,6 +77,12 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._settings = ConnectorSettings.from_extra(extra)
+        self._role = Role.of(self._kv_transfer_config.kv_role)
+        if self._settings.store_generated and not self._role.saves:
+            raise ConfigError(
+                "kv_connector_extra_config.store_generated: a kv_consumer stores nothing; "
+                "use kv_role kv_both or kv_producer, or set store_generated = false"
+            )
         self._topology = Topology.of(
             vllm_config, kv_cache_config, store_generated=self._settings.store_generated
         )
@@ -95,6 +103,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._chunk_size,
                 self._make_lookup,
                 kv_events=kv_events,
+                role=self._role,
             )
             if kv_events:
                 self._quorum = EventQuorum(self._topology.num_ranks, self._settings.event_chunks)
@@ -166,17 +175,19 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         plan = self._scheduler.build_plan(scheduler_output.num_scheduled_tokens, block_ids_of)
         return KVTiersConnectorMetadata(plan=plan)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         try:
-            return self._scheduler.request_finished(request, block_ids), None
+            return self._scheduler.request_finished(request, block_ids)
         except Exception:
             logger.exception("kvtiers: request_finished failed; nothing stored")
             return False, None
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, None]:
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids[0])
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -125,6 +125,39 @@ def test_layer_wise_loads_from_a_pool_and_a_corrupt_later_layer(vllm_python, tin
     assert result["corrupt_remote"] >= 1  # found corrupt (by each load that read it), deleted
 
 
+def test_prefill_and_decode_instances_hand_off_through_the_pool(vllm_python, tiny_llama, tmp_path):
+    """A kv_producer engine prefills and announces what it stored; a kv_consumer engine,
+    whose pool gets the producer's objects two seconds after its requests arrive, waits for
+    them, loads them and answers exactly as without kvtiers, storing nothing itself. When
+    the announced KV never comes, a consumer computes the prompts after `handoff_wait_s`."""
+    result = result_of(start(vllm_python, tiny_llama, tmp_path, "handoff"))
+    baseline = tokens(result["baseline"])
+    whole = [n // 64 * 64 for n in result["prompt_lengths"]]
+    assert result["params"] == [{"kvtiers": {"stored_tokens": n}} for n in whole]
+    assert result["producer_objects"] == 5  # the shared four chunks, and the fourth prompt's fifth
+
+    handed = result["decode"]
+    assert tokens(handed["outputs"]) == baseline
+    assert [o["cached"] for o in handed["outputs"]] == [
+        min(n, m - 1) for n, m in zip(whole, result["prompt_lengths"], strict=True)
+    ]
+    assert all(o["kv_transfer_params"] is None for o in handed["outputs"])  # no announcement
+    assert handed["seconds"] >= 2.0  # it waited for the copy
+    assert handed["stats"]["handoff_waits"] >= 1
+    assert handed["stats"]["handoff_arrived"] == handed["stats"]["handoff_waits"]
+    assert "handoff_timeouts" not in handed["stats"]
+    assert "saved_tokens" not in handed["stats"]  # a consumer stores nothing
+    assert result["decode_objects"] == result["producer_objects"]
+
+    never = result["never"]
+    assert tokens(never["outputs"]) == baseline
+    assert all(o["cached"] == 0 for o in never["outputs"])
+    assert never["stats"]["handoff_timeouts"] == len(whole)
+    assert never["seconds"] >= 1.0
+
+    assert "store_generated" in result["consumer_store_generated"]
+
+
 def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):
     result, work = inprocess
     reader = start(vllm_python, tiny_llama, work, "shared", "--role", "reader")

@@ -192,10 +192,10 @@ def test_generated_tokens_are_saved_at_finish_only_when_configured():
     r.num_computed_tokens = 299
     plain = side(FakeLookup(hit=0))
     plain.on_new_request(r)
-    assert plain.request_finished(r, list(range(19))) is False
+    assert plain.request_finished(r, list(range(19))) == (False, None)
     keeping = side(FakeLookup(hit=0), store_generated=True)
     keeping.on_new_request(r)
-    assert keeping.request_finished(r, list(range(19))) is True
+    assert keeping.request_finished(r, list(range(19))) == (True, None)
     (save,) = keeping.build_plan({}, lambda _: None).saves
     assert save.finished and len(tokens_of(save.tokens)) == 256
 

@@ -33,6 +33,7 @@ Scenarios:
 - `pool`: DRAM over a `file://` remote pool, read layer-wise: engine A stores; a fresh
   engine B loads wave by wave; then one object of the shared prefix gets a bad byte in its
   second layer, and a fresh engine C has that chunk's blocks recomputed.
+- `handoff`: prefill/decode disaggregation through a pool (vllm_handoff_scenario.py).
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ def tiers(work: Path, lmdb_name: str | None = "lmdb") -> dict[str, Any]:
     return config
 
 
-def transfer_config(config: dict[str, Any]) -> dict[str, Any]:
+def transfer_config(
+    config: dict[str, Any], kv_role: str = "kv_both", extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "kv_connector": "KVTiersConnector",
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
         "kv_connector_module_path": "kvtiers.integrations.vllm",
-        "kv_connector_extra_config": {"config": config, "chunk_size": CHUNK},
+        "kv_connector_extra_config": {"config": config, "chunk_size": CHUNK, **(extra or {})},
     }
 
 
@@ -97,6 +100,9 @@ class Engine:
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         logprobs: int | None = None,
+        kv_role: str = "kv_both",
+        extra: dict[str, Any] | None = None,
+        max_tokens: int = MAX_TOKENS,
     ) -> None:
         from vllm import LLM, SamplingParams
         from vllm.config import KVEventsConfig
@@ -118,7 +124,9 @@ class Engine:
             block_size=BLOCK,
             max_model_len=1024,
             enable_prefix_caching=prefix_caching,
-            kv_transfer_config=transfer_config(config) if config is not None else None,
+            kv_transfer_config=(
+                transfer_config(config, kv_role, extra) if config is not None else None
+            ),
             kv_events_config=events,
             tensor_parallel_size=tensor_parallel,
             pipeline_parallel_size=pipeline_parallel,
@@ -126,7 +134,7 @@ class Engine:
         )
         self.start_seconds = time.perf_counter() - started
         self.params = SamplingParams(
-            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
         )
         self.reported: dict[str, float] = {}
         if config is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
@@ -139,24 +147,39 @@ class Engine:
         return get_kv_transfer_group()
 
     def _record_connector_stats(self) -> None:
-        """Sum what the worker's get_kv_connector_stats hands vLLM, as vLLM asks for it."""
-        connector = self.connector
-        original = connector.get_kv_connector_stats
+        """Sum what the connectors' get_kv_connector_stats hand vLLM, as vLLM asks for it.
 
-        def recording() -> Any:
-            stats = original()
-            if stats is not None:
-                for key, value in stats.data.items():
-                    self.reported[key] = self.reported.get(key, 0) + value
-            return stats
+        The worker's counters and the scheduler's (a connector of its own) have distinct names.
+        """
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        for connector in (self.connector, scheduler.connector):
+            original = connector.get_kv_connector_stats
 
-        connector.get_kv_connector_stats = recording
+            def recording(original: Any = original) -> Any:
+                stats = original()
+                if stats is not None:
+                    for key, value in stats.data.items():
+                        self.reported[key] = self.reported.get(key, 0) + value
+                return stats
 
-    def generate(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params)
+            connector.get_kv_connector_stats = recording
+
+    def generate(
+        self, prompts: list[list[int]], kv_transfer_params: list[Any] | None = None
+    ) -> list[dict[str, Any]]:
+        params: Any = self.params
+        if kv_transfer_params is not None:  # per prompt, as a disaggregated-serving proxy sends
+            params = [self.params.clone() for _ in prompts]
+            for one, transfer in zip(params, kv_transfer_params, strict=True):
+                one.extra_args = {"kv_transfer_params": transfer}
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         results = []
         for o in outputs:
-            result = {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+            result = {
+                "tokens": list(o.outputs[0].token_ids),
+                "cached": o.num_cached_tokens,
+                "kv_transfer_params": o.kv_transfer_params,
+            }
             if o.outputs[0].logprobs:  # the first output token's top candidates
                 first = o.outputs[0].logprobs[0]
                 result["first_logprobs"] = {str(t): float(lp.logprob) for t, lp in first.items()}
@@ -583,6 +606,7 @@ def main() -> None:
             "mla",
             "mla-tp2",
             "pool",
+            "handoff",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -612,6 +636,10 @@ def main() -> None:
         result = scenario_mla_tp2(args.model, args.work)
     elif args.scenario == "pool":
         result = scenario_pool(args.model, args.work)
+    elif args.scenario == "handoff":
+        from vllm_handoff_scenario import scenario_handoff
+
+        result = scenario_handoff(args.model, args.work)
     else:
         result = scenario_multiprocess(args.model, args.work)
     result["seconds"] = time.perf_counter() - started

@@ -1,0 +1,126 @@
+"""The `handoff` scenario of vllm_scenarios.py: prefill and decode on two engines.
+
+A prefill engine (`kv_role = "kv_producer"`, one output token per prompt, as a
+disaggregated-serving proxy asks it) stores the prompts in a `file://` pool and returns
+`kv_transfer_params` announcing what it stored. A decode engine (`kv_consumer`) gets each
+prompt with those params, as the proxy passes them on. Its pool receives the producer's
+objects only two seconds after the requests arrive (a producer whose saves are still on
+their way): the decode engine waits for them instead of computing the prompts, loads them,
+answers exactly as an engine without kvtiers, and stores nothing. Then a decode engine
+whose announced KV never arrives gives up after `handoff_wait_s` and computes the prompts.
+Last, `store_generated` on a consumer is refused when the engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_scenarios import CHUNK, MAX_TOKENS, PREFIX_TOKENS, Engine, make_prompts
+
+COPY_AFTER_S = 2.0
+
+
+def pool(work: Path, name: str) -> dict[str, Any]:
+    """DRAM over a `file://` pool in `work / name`."""
+    remote = {"kind": "remote", "url": f"file://{work / name}", "capacity": "256MiB"}
+    return {"tiers": [{"kind": "dram", "capacity": "64MiB"}, remote]}
+
+
+def objects_in(root: Path) -> set[Path]:
+    """Return the chunk objects under `root` (`.../<key[:2] hex>/<key hex>`), relative to it."""
+    return {
+        p.relative_to(root)
+        for p in root.rglob("*")
+        if p.is_file() and len(p.parent.name) == 4 and p.name.startswith(p.parent.name)
+    }
+
+
+def copy_objects(source: Path, target: Path) -> None:
+    """Copy `source`'s chunk objects into `target`, each one appearing whole (a rename)."""
+    for relative in sorted(objects_in(source)):
+        dest = target / relative
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staged = dest.with_name(f".{dest.name}.part")
+        shutil.copyfile(source / relative, staged)
+        os.replace(staged, dest)
+
+
+def decode(
+    engine: Engine, prompts: list[list[int]], params: list[Any], *, copy_from: Path | None = None
+) -> dict[str, Any]:
+    """Run `prompts` with the producer's params; copy its objects in after a pause."""
+    copier = None
+    if copy_from is not None:
+        copier = threading.Timer(COPY_AFTER_S, copy_objects, (copy_from, engine.pool))
+        copier.start()
+    started = time.perf_counter()
+    outputs = engine.generate(prompts, kv_transfer_params=params)
+    seconds = time.perf_counter() - started
+    if copier is not None:
+        copier.join()
+    return {
+        "outputs": outputs,
+        "seconds": seconds,
+        "stats": dict(engine.reported),
+    }
+
+
+def scenario_handoff(model: str, work: Path) -> dict[str, Any]:
+    prompts = make_prompts(seed=5)
+    rng = random.Random(6)  # and one prompt of whole chunks
+    prompts.append(prompts[0][:PREFIX_TOKENS] + [rng.randrange(3, 500) for _ in range(CHUNK)])
+    result: dict[str, Any] = {"prompt_lengths": [len(p) for p in prompts]}
+
+    base = Engine(model, None, prefix_caching=False)
+    result["baseline"] = base.generate(prompts)
+    base.close()
+
+    producer = Engine(
+        model, pool(work, "pool-p"), prefix_caching=False, kv_role="kv_producer", max_tokens=1
+    )
+    prefilled = producer.generate(prompts)
+    result["params"] = [o["kv_transfer_params"] for o in prefilled]
+    result["producer_stats"] = dict(producer.reported)
+    producer.connector.flush(60)
+    producer.close()
+    result["producer_objects"] = len(objects_in(work / "pool-p"))
+
+    handoff = {"handoff_wait_s": 60}
+    consumer = Engine(
+        model, pool(work, "pool-d"), prefix_caching=False, kv_role="kv_consumer", extra=handoff
+    )
+    consumer.pool = work / "pool-d"
+    result["decode"] = decode(consumer, prompts, result["params"], copy_from=work / "pool-p")
+    consumer.connector.flush(60)
+    consumer.close()
+    result["decode_objects"] = len(objects_in(work / "pool-d"))
+
+    # Announced KV that never comes: the consumer gives up after handoff_wait_s.
+    late = {"handoff_wait_s": 1}
+    consumer = Engine(
+        model, pool(work, "pool-empty"), prefix_caching=False, kv_role="kv_consumer", extra=late
+    )
+    result["never"] = decode(consumer, prompts, result["params"])
+    consumer.close()
+
+    try:
+        Engine(
+            model,
+            pool(work, "pool-x"),
+            prefix_caching=False,
+            kv_role="kv_consumer",
+            extra={"store_generated": True},
+        )
+        result["consumer_store_generated"] = "accepted"
+    except Exception as exc:  # vLLM wraps the connector's error in its own
+        result["consumer_store_generated"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+__all__ = ["MAX_TOKENS", "scenario_handoff"]
