@@ -255,13 +255,20 @@ def check_into(
     key: bytes,
     payload_len: int,
     auth_key: bytes | None = None,
+    num_layers: int = 0,
 ) -> Verdict:
     """Verify a stored value and copy its payload into `dst` when it is `Verdict.OK`.
 
-    Nothing reaches `dst` unless the whole value checked out.
+    Nothing reaches `dst` unless the whole value checked out. `num_layers` as for
+    `check_value`.
     """
     verdict, payload = check_value(
-        raw, fingerprint=fingerprint, key=key, payload_len=payload_len, auth_key=auth_key
+        raw,
+        fingerprint=fingerprint,
+        key=key,
+        payload_len=payload_len,
+        auth_key=auth_key,
+        num_layers=num_layers,
     )
     if payload is not None:
         np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))

@@ -116,10 +116,15 @@ class ObjectCodec:
         )
 
     def _check_and_copy(self, key: ChunkKey, raw: bytes | memoryview, dst: Buffer) -> Verdict:
-        verdict, payload = self._check(key, raw)
-        if payload is not None:  # verified before a byte reaches the destination
-            np.copyto(dst, np.frombuffer(payload, np.uint8).reshape(dst.shape))
-        return verdict
+        return fmt.check_into(
+            raw,
+            dst,
+            fingerprint=self.fingerprint,
+            key=key,
+            payload_len=self.layout.chunk_bytes,
+            auth_key=self.auth_key,
+            num_layers=self.layout.num_layers,
+        )
 
     def _check_and_copy_layers(
         self, key: ChunkKey, raw: bytes | memoryview, plan: LayerPlan, dst: Buffer
