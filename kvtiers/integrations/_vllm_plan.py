@@ -51,7 +51,9 @@ class ConnectorSettings:
     store_generated: bool = False
     """Also store full chunks of generated tokens when a request finishes."""
     lookup_wait_ms: float = 20.0
-    """How long the scheduler waits for a lookup before answering 'ask again later'."""
+    """How long the scheduler waits for a lookup before answering 'ask again later'.
+
+    Not at all for the lookups of a request waiting for announced KV (hand-off)."""
     lookup_deadline_s: float = 5.0
     """How long a lookup may take in all before it counts as a miss."""
     load_timeout_s: float = 30.0

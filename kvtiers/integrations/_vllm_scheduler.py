@@ -179,7 +179,9 @@ class SchedulerSide:
             if tracked.future is None and self._clock() < tracked.next_lookup_at:
                 return None, False
             hit = self._await_lookup(tracked, whole)
-            if hit is None or self._awaits_more(tracked, hit, whole):
+            if hit is not None and tracked.awaited:
+                hit = self._handoff(tracked, hit, min(tracked.awaited, whole), num_computed_tokens)
+            if hit is None:
                 return None, False
             tracked.answer = hit
             tracked.cached = max(tracked.cached, hit)
@@ -199,57 +201,76 @@ class SchedulerSide:
             tracked.asked_at = self._clock()
             self._count("lookups")
             self._count("lookup_tokens", limit)
-        future = tracked.future
+        future, deadline = tracked.future, tracked.asked_at + self._settings.lookup_deadline_s
+        wait_s = self._settings.lookup_wait_ms / 1000
+        # NOTE: a request waiting for announced KV is looked up again step after step; its
+        # lookups must not hold up vLLM's scheduler (their answers are taken at a later
+        # call), nor outlast the wait (which then serves what earlier lookups found).
+        handoff_end = self._handoff_end(tracked)
+        if handoff_end is not None:
+            deadline, wait_s = min(deadline, handoff_end), 0
         try:
-            hit = future.result(timeout=self._settings.lookup_wait_ms / 1000)
+            hit = future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
-            if self._clock() - tracked.asked_at < self._settings.lookup_deadline_s:
+            if self._clock() < deadline:
                 self._count("lookup_retries")
                 return None
             future.cancel()
             logger.warning(
-                "kvtiers: a lookup took over %ss; served as a miss",
-                self._settings.lookup_deadline_s,
+                "kvtiers: a lookup ran for %.3gs; served as a miss",
+                self._clock() - tracked.asked_at,
             )
             self._count("lookup_timeouts")
             hit = 0
         except Exception as exc:
-            logger.warning("kvtiers: a lookup failed (%s); served as a miss", exc)
+            # NOTE: a request waiting for announced KV looks up every poll; one warning
+            # (its first lookup's) is enough, the rest are counted.
+            log = logger.debug if handoff_end is not None else logger.warning
+            log("kvtiers: a lookup failed (%s); served as a miss", exc)
             self._count("lookup_errors")
             hit = 0
         tracked.future = None
         self._count("lookup_hit_tokens", hit)
         return hit
 
-    def _awaits_more(self, tracked: _Tracked, hit: int, whole: int) -> bool:
-        """Return whether to look again for announced KV that `hit` falls short of.
+    def _handoff(self, tracked: _Tracked, hit: int, wanted: int, computed: int) -> int | None:
+        """Return the answer for a request awaiting `wanted` tokens, or None to look again.
 
         A producer's saves reach the shared tiers after it has answered, so the first
         lookups of a consumer can miss them. The request waits (vLLM skips it for a step)
-        and is looked up again every `handoff_poll_ms`, for at most `handoff_wait_s`.
+        and is looked up again every `handoff_poll_ms`, for at most `handoff_wait_s`; then
+        it loads the most that a lookup found. Tokens vLLM holds itself are not awaited.
         """
-        wanted = min(tracked.awaited, whole)
-        if hit >= wanted:
-            if tracked.awaited and tracked.waiting_since is not None:
+        # NOTE: before its first answer only lookups set `cached` (nothing is saved yet).
+        tracked.cached = max(tracked.cached, hit)
+        if max(hit, computed) >= wanted:
+            if tracked.waiting_since is not None:
                 self._count("handoff_arrived")
             tracked.awaited = 0
-            return False
+            return hit
         now = self._clock()
         if tracked.waiting_since is None:
             tracked.waiting_since = now
             self._count("handoff_waits")
-        if now - tracked.waiting_since < self._settings.handoff_wait_s:
-            tracked.next_lookup_at = now + self._settings.handoff_poll_ms / 1000
-            return True
+        end = tracked.waiting_since + self._settings.handoff_wait_s
+        if now < end:
+            tracked.next_lookup_at = min(now + self._settings.handoff_poll_ms / 1000, end)
+            return None
         logger.warning(
             "kvtiers: %d of %d announced tokens arrived within %ss; the rest is computed",
-            hit,
+            tracked.cached,
             wanted,
             self._settings.handoff_wait_s,
         )
         self._count("handoff_timeouts")
         tracked.awaited = 0
-        return False
+        return tracked.cached
+
+    def _handoff_end(self, tracked: _Tracked) -> float | None:
+        """Return when the wait for announced KV ends (None: the request is not waiting)."""
+        if not tracked.awaited or tracked.waiting_since is None:
+            return None
+        return tracked.waiting_since + self._settings.handoff_wait_s
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
