@@ -123,6 +123,7 @@ class SchedulerSide:
             "planned_save_tokens": 0,
             "handoff_waits": 0,
             "handoff_arrived": 0,
+            "handoff_wait_ms": 0,
             "handoff_timeouts": 0,
             "handoff_bad_params": 0,
         }
@@ -243,12 +244,13 @@ class SchedulerSide:
         """
         # NOTE: before its first answer only lookups set `cached` (nothing is saved yet).
         tracked.cached = max(tracked.cached, hit)
+        now = self._clock()
         if max(hit, computed) >= wanted:
             if tracked.waiting_since is not None:
                 self._count("handoff_arrived")
+                self._count("handoff_wait_ms", round((now - tracked.waiting_since) * 1000))
             tracked.awaited = 0
             return hit
-        now = self._clock()
         if tracked.waiting_since is None:
             tracked.waiting_since = now
             self._count("handoff_waits")

@@ -81,6 +81,7 @@ def test_a_consumer_waits_for_announced_kv_then_loads_it():
         "lookup_hit_tokens": 256,
         "handoff_waits": 1,
         "handoff_arrived": 1,
+        "handoff_wait_ms": 30,  # from the first short lookup to the one that found it all
     }
 
 
