@@ -91,6 +91,10 @@ DEFAULT_LINKS: dict[str, TierLink] = {
     "nvme": TierLink("nvme", 5e9, 100e-6),
     "remote": TierLink("remote", 1.5e9, 20e-3),
     "s3": TierLink("s3", 1.5e9, 20e-3),
+    # NOTE: the pool stores sit across the network, not beside the GPU: DRAM's figures
+    # would make them look as fast as local memory.
+    "redis": TierLink("redis", 1.25e9, 200e-6),
+    "mooncake": TierLink("mooncake", 12.5e9, 50e-6),
 }
 
 

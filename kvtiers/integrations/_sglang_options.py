@@ -77,7 +77,8 @@ class BackendOptions:
                 raise ConfigError(
                     f"{_WHERE}.{name}: expected a string, got {type(options[name]).__name__}"
                 )
-        pools = options.get("pools") or {}
+        pools = options.get("pools")
+        pools = {} if pools is None else pools  # an empty list is refused below
         if not isinstance(pools, Mapping) or not all(
             isinstance(name, str) and isinstance(value, str | Mapping)
             for name, value in pools.items()

@@ -185,6 +185,8 @@ def test_pool_config_suffixes_lmdb_paths_and_drops_the_endpoints(tmp_path):
         ({"salt": 3}, "salt: expected a string, got int"),
         ({"model_name": ["m"]}, "model_name: expected a string"),
         ({"pools": ["mamba"]}, "pools: expected"),
+        ({"pools": []}, "pools: expected"),  # empty, still not a table
+        ({"pools": ""}, "pools: expected"),
         ({"pools": {"mamba": 3}}, "pools: expected"),
     ],
 )
