@@ -27,7 +27,6 @@ Run: `python -m benchmarks.bench_vllm_handoff [--quick]`.
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Result, main
-from benchmarks.bench_vllm_ttft import BLOCK, BUILDER, ROOT, SIZES, VLLM_PYTHON
+from benchmarks.bench_vllm_ttft import BLOCK, ROOT, SIZES, VLLM_PYTHON, build_model
 
 _MARK = "HANDOFF "
 SETTLE_S = 1.0
@@ -184,22 +183,10 @@ def _handoffs(
 
 def run(quick: bool) -> list[Result]:
     """Build the model, run the engines and the proxy, and report the medians."""
-    if not VLLM_PYTHON.exists():
-        raise RuntimeError(
-            f"{VLLM_PYTHON} is missing; `python -m pytest tests/integrations` builds it"
-        )
     layers, hidden, shared, distinct, count = SIZES["quick" if quick else "full"]
     with tempfile.TemporaryDirectory(prefix="kvtiers-handoff-") as tmp:
         work = Path(tmp)
-        model = work / "model"
-        subprocess.run(
-            [str(VLLM_PYTHON), str(BUILDER), str(model), "--layers", str(layers),
-             "--hidden", str(hidden)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # fmt: skip
-        env.pop("VIRTUAL_ENV", None)
+        model, env = build_model(work, layers, hidden)
         pool = work / "pool"
         _log("starting the prefill and decode engines")
         prefill = _Engine(model, "kv_producer", pool, env)

@@ -226,28 +226,38 @@ def _row(name: str, value: float, base: float, floor: float, notes: str, target:
                   f"{notes}; above floor {(value - floor) * 1e3:,.0f} ms")  # fmt: skip
 
 
-def run(quick: bool) -> list[Result]:
-    """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
+def build_model(work: Path, layers: int, hidden: int) -> tuple[Path, dict[str, str]]:
+    """Build the random-weight model in `work` under `.venv-vllm`; return it and the engines' env.
+
+    Raises:
+        RuntimeError: `.venv-vllm` is missing.
+    """
     if not VLLM_PYTHON.exists():
         raise RuntimeError(
             f"{VLLM_PYTHON} is missing; `python -m pytest tests/integrations` builds it"
         )
+    model = work / "model"
+    subprocess.run(
+        [str(VLLM_PYTHON), str(BUILDER), str(model), "--layers", str(layers),
+         "--hidden", str(hidden)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+    }
+    env.pop("VIRTUAL_ENV", None)
+    return model, env
+
+
+def run(quick: bool) -> list[Result]:
+    """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
     layers, hidden, shared, distinct, count = SIZES["quick" if quick else "full"]
     with tempfile.TemporaryDirectory(prefix="kvtiers-ttft-") as tmp:
         work = Path(tmp)
-        model = work / "model"
-        subprocess.run(
-            [str(VLLM_PYTHON), str(BUILDER), str(model), "--layers", str(layers),
-             "--hidden", str(hidden)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        env = {
-            **os.environ,
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
-        }
-        env.pop("VIRTUAL_ENV", None)
+        model, env = build_model(work, layers, hidden)
         cmd = [str(VLLM_PYTHON), "-m", "benchmarks.bench_vllm_ttft", "--engine", str(model),
                str(work), str(shared), str(distinct), str(count)]  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
