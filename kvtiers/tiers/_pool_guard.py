@@ -173,6 +173,8 @@ def tally_reads(
     keys: Sequence[ChunkKey],
     found: Iterable[Sequence[fmt.Verdict | None]],
     chunk_bytes: int,
+    *,
+    tally: bool = True,
 ) -> tuple[list[bool], list[ChunkKey]]:
     """Count a `get` of `keys` in `counters`; return its hits and the keys read as bad.
 
@@ -181,7 +183,8 @@ def tally_reads(
         keys: the keys read.
         found: the verdicts of each request's part of `keys`, in order; `None` where the
             store had no value.
-        chunk_bytes: the payload bytes of one chunk.
+        chunk_bytes: the payload bytes one hit read (a chunk's, or the layers read).
+        tally: whether to count hits and misses (bad values and bytes are always counted).
 
     Returns:
         Whether each key was a hit, aligned with `keys`; and the keys whose values were
@@ -191,8 +194,9 @@ def tally_reads(
     hits = [verdict is fmt.Verdict.OK for verdict in verdicts]
     bad = [k for k, v in zip(keys, verdicts, strict=True) if v not in (None, fmt.Verdict.OK)]
     fmt.count_verdicts(counters, verdicts)
-    counters.hits += sum(hits)
-    counters.misses += len(keys) - sum(hits)
+    if tally:
+        counters.hits += sum(hits)
+        counters.misses += len(keys) - sum(hits)
     counters.bytes_read += sum(hits) * chunk_bytes
     return hits, bad
 
@@ -207,18 +211,27 @@ class StoredValues:
     Args:
         config: the tier's config (capacity, integrity options).
         layout: the layout of its chunks.
+        layer_checksums: also write a checksum per layer, so that some layers of a value
+            can be read and verified alone (`_chunk_format`).
 
     Raises:
         ConfigError: bad integrity options, or a capacity that cannot hold one value.
     """
 
-    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+    def __init__(self, config: TierConfig, layout: KVLayout, *, layer_checksums: bool = False):
         self.fingerprint = layout.fingerprint
         self.payload_len = layout.chunk_bytes
         self.auth_key = auth_key_from_config(config)
-        self.value_bytes = fmt.value_bytes(
-            self.fingerprint, layout.chunk_bytes, tagged=self.auth_key is not None
+        self.num_layers = layout.num_layers if layer_checksums else 0
+        """Layers with a checksum of their own in each value (0: none)."""
+        self.header_len = fmt.header_bytes(
+            self.fingerprint,
+            layout.chunk_bytes,
+            num_layers=self.num_layers,
+            tagged=self.auth_key is not None,
         )
+        """Bytes of one value's length prefix and header."""
+        self.value_bytes = self.header_len + layout.chunk_bytes
         """Bytes of one stored value (header and payload)."""
         if config.capacity_bytes < self.value_bytes:
             raise ConfigError(
@@ -229,7 +242,9 @@ class StoredValues:
 
     def pack(self, key: bytes, payload: Any) -> bytes:
         """Return the stored value of a contiguous payload under `key`."""
-        return fmt.pack_value(self.fingerprint, key, payload, auth_key=self.auth_key)
+        return fmt.pack_value(
+            self.fingerprint, key, payload, num_layers=self.num_layers, auth_key=self.auth_key
+        )
 
     def read_into(self, key: bytes, raw: Any, dst: Buffer) -> fmt.Verdict:
         """Verify a value read under `key`; copy its payload into `dst` only when intact."""
@@ -240,4 +255,5 @@ class StoredValues:
             key=key,
             payload_len=self.payload_len,
             auth_key=self.auth_key,
+            num_layers=self.num_layers,
         )

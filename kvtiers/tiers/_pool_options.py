@@ -23,7 +23,8 @@ _BREAKER = ("breaker_cooldown", "breaker_failures")
 _REDIS_OPTIONS = (
     *_BREAKER,
     *INTEGRITY_OPTIONS,
-    *("max_connections", "max_value_bytes", "prefix", "retries", "timeout", "ttl", "url"),
+    *("layer_reads", "max_connections", "max_value_bytes", "prefix", "retries", "timeout"),
+    *("ttl", "url"),
 )
 _MOONCAKE_OPTIONS = (
     *_BREAKER,
@@ -64,6 +65,8 @@ class RedisOptions:
     """Seconds the breaker stays open before one probe request may try the server."""
     max_value_bytes: int = REDIS_MAX_VALUE_BYTES
     """The largest value the server accepts (its `proto-max-bulk-len`)."""
+    layer_reads: bool = True
+    """Whether `get_layers` reads byte ranges of values (GETRANGE) instead of whole values."""
 
     @classmethod
     def from_config(cls, config: TierConfig) -> RedisOptions:
@@ -92,6 +95,7 @@ class RedisOptions:
             breaker_failures=integer(raw, "breaker_failures", 5, 1, where),
             breaker_cooldown=seconds(raw, "breaker_cooldown", 5.0, where),
             max_value_bytes=size(raw, "max_value_bytes", REDIS_MAX_VALUE_BYTES, where),
+            layer_reads=flag(raw, "layer_reads", True, where),
         )
 
 
@@ -178,6 +182,13 @@ def text(raw: dict[str, Any], name: str, default: str, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{where}.{name}: expected a non-empty string, got {describe(value, 80)}")
     return value.strip()
+
+
+def flag(raw: dict[str, Any], name: str, default: bool, where: str) -> bool:
+    value = raw.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{name}: expected true or false, got {describe(value)}")
+    return value
 
 
 def integer(raw: dict[str, Any], name: str, default: int, minimum: int, where: str) -> int:

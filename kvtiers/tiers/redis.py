@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,8 +55,10 @@ from kvtiers.tiers._pool_guard import (
     tally_reads,
 )
 from kvtiers.tiers._pool_options import RedisOptions
+from kvtiers.tiers._redis_layers import LayerRanges
 from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
+from kvtiers.tiers._remote_layers import LayerPlan
 from kvtiers.tiers._remote_options import Redactor, display_url
 from kvtiers.tiers.base import Buffer, Tier
 
@@ -89,7 +91,8 @@ class RedisTier(Tier):
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         self.options = RedisOptions.from_config(config)
-        self._values = StoredValues(config, layout)
+        self._values = StoredValues(config, layout, layer_checksums=True)
+        self._ranges = LayerRanges(layout, self._values.header_len, layout.fingerprint)
         self._fingerprint = layout.fingerprint
         self.value_bytes = self._values.value_bytes
         """Bytes of one stored value (header and payload)."""
@@ -195,18 +198,30 @@ class RedisTier(Tier):
         self._ensure_open()
         check_keys(keys)
         self._check_buffers(keys, dsts)
+        return await self._read_batches(keys, dsts, self._get_some, self.layout.chunk_bytes)
+
+    async def _read_batches(
+        self,
+        keys: Sequence[ChunkKey],
+        dsts: Sequence[Buffer],
+        read: Callable[[Sequence[ChunkKey], Sequence[Buffer]], Awaitable[list[Verdict | None]]],
+        hit_bytes: int,
+        *,
+        tally: bool = True,
+    ) -> list[bool]:
+        """Read `keys` a pipeline's worth at a time with `read`; count, delete bad values."""
         if not keys:
             return []
         if self._guard.refuses():
-            self.counters.misses += len(keys)
+            self.counters.misses += len(keys) if tally else 0
             self.counters.unavailable += 1
             return [False] * len(keys)
         per_call = self._per_call
         found = await gather_all(
-            self._get_some(keys[i : i + per_call], dsts[i : i + per_call])
+            read(keys[i : i + per_call], dsts[i : i + per_call])
             for i in range(0, len(keys), per_call)
         )
-        hits, bad = tally_reads(self.counters, keys, found, self.layout.chunk_bytes)
+        hits, bad = tally_reads(self.counters, keys, found, hit_bytes, tally=tally)
         if bad:
             await self._delete(bad)
         return hits
@@ -235,10 +250,80 @@ class RedisTier(Tier):
                 pipe.getex(name, px=ttl_ms)
             else:
                 pipe.get(name)
-        pipe.eval(TOUCH_SCRIPT, len(names) + 1, self._lru, *names, repr(time.time()))
+        self._touch(pipe, names)
         *values, count = await pipe.execute()
         self._num_entries = int(count)
         return values
+
+    # -- layer-wise reads --------------------------------------------------------------
+
+    @property
+    def layer_reads(self) -> bool:
+        """Whether `get_layers` reads byte ranges (`layer_reads`; never with integrity)."""
+        return self.options.layer_reads and self._values.auth_key is None
+
+    async def get_layers(
+        self,
+        keys: Sequence[ChunkKey],
+        layers: Sequence[int],
+        dsts: Sequence[Buffer],
+        *,
+        tally: bool = True,
+    ) -> list[bool]:
+        """Fill only `layers` of each destination, reading them as byte ranges (GETRANGE).
+
+        Each layer is verified by its own checksum before a byte reaches the destination;
+        a value whose ranges do not verify is read whole and judged like `get` (a bad one
+        is deleted and counted). Only a tallied call touches the values' recency. Arguments
+        as for `Tier.get_layers`.
+        """
+        if not self.layer_reads:
+            return await super().get_layers(keys, layers, dsts, tally=tally)
+        self._ensure_open()
+        check_keys(keys)
+        self._check_buffers(keys, dsts)
+        plan = self._ranges.plan(layers)
+        read = functools.partial(self._layers_some, plan=plan, touch=tally)
+        hit_bytes = len(plan.layers) * self.layout.layer_bytes
+        return await self._read_batches(keys, dsts, read, hit_bytes, tally=tally)
+
+    async def _layers_some(
+        self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer], *, plan: LayerPlan, touch: bool
+    ) -> list[Verdict | None]:
+        """Read one pipeline's worth of keys' layers; read whole those that do not verify."""
+        try:
+            parts = await self._guard.call(functools.partial(self._read_ranges, keys, plan, touch))
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
+            return [None] * len(keys)
+        verdicts, again = self._ranges.deliver(keys, plan, parts, dsts)
+        if again:  # values that did not verify: judged whole
+            scratch = np.empty((len(again), self.layout.chunk_bytes), dtype=np.uint8)
+            whole = await self._get_some([keys[i] for i in again], list(scratch))
+            for i, row, verdict in zip(again, scratch, whole, strict=True):
+                verdicts[i] = verdict
+                if verdict is Verdict.OK:
+                    self._ranges.deliver_whole(plan, row, dsts[i])
+        return verdicts
+
+    async def _read_ranges(
+        self, keys: Sequence[ChunkKey], plan: LayerPlan, touch: bool
+    ) -> list[list[bytes]]:
+        """Read the ranges of each key's value, in one pipeline (touched when `touch`).
+
+        A range of a missing value reads as empty.
+        """
+        names = [self._chunk_key(key) for key in keys]
+        pipe = self._redis.pipeline(transaction=False)
+        counts = self._ranges.queue(pipe, names, keys, plan)
+        if touch:
+            self._touch(pipe, names)
+            for name in names if self._ttl_ms() else ():
+                pipe.pexpire(name, self._ttl_ms())  # a GET refreshes it with GETEX
+        parts, rest = self._ranges.split(await pipe.execute(), counts)
+        if touch:
+            self._num_entries = int(rest[0])
+        return parts
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -289,6 +374,7 @@ class RedisTier(Tier):
             await self._delete(keys)
 
     async def _delete(self, keys: Sequence[ChunkKey]) -> None:
+        self._ranges.forget(keys)
         names = [self._chunk_key(key) for key in keys]
 
         async def request() -> list[Any]:
@@ -321,9 +407,14 @@ class RedisTier(Tier):
             f"(header included), counted over all processes",
             f"  server      its maxmemory must exceed {format_size(self.capacity_bytes)}",
             f"  expiry      {expiry}",
+            f"  layer reads {'on' if self.layer_reads else 'off'} (see layer_reads)",
         ]
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _touch(self, pipe: Any, names: Sequence[bytes]) -> None:
+        """Queue the recency update of `names` (it answers the recency set's size)."""
+        pipe.eval(TOUCH_SCRIPT, len(names) + 1, self._lru, *names, repr(time.time()))
 
     def _chunk_key(self, key: ChunkKey) -> bytes:
         return self._chunk_prefix + key

@@ -33,7 +33,7 @@ from kvtiers.tiers.redis import RedisTier  # noqa: E402 - needs redis-py
 __all__ = ["own_redis_server", "redis_server"]  # fixtures, imported to be found here
 
 LAYOUT = SMALL_LAYOUT
-VALUE_BYTES = value_bytes(LAYOUT.fingerprint, LAYOUT.chunk_bytes)
+VALUE_BYTES = value_bytes(LAYOUT.fingerprint, LAYOUT.chunk_bytes, num_layers=LAYOUT.num_layers)
 
 
 def make_tier(url: str, num_chunks: int = 64, index: int = 1, **options: Any) -> RedisTier:
@@ -175,7 +175,8 @@ class TestRedisTierWithIntegrity(TestRedisTier):
         monkeypatch.setenv(SECRET_ENV, "a-redis-secret-of-32-bytes-xxxxx")
 
     def entry_bytes(self) -> int:
-        return value_bytes(LAYOUT.fingerprint, LAYOUT.chunk_bytes, tagged=True)
+        n = LAYOUT.num_layers
+        return value_bytes(LAYOUT.fingerprint, LAYOUT.chunk_bytes, num_layers=n, tagged=True)
 
     async def make_tier(self, tmp_path: Path, layout: KVLayout, capacity_bytes: int) -> RedisTier:
         options = {
