@@ -22,9 +22,12 @@ from kvtiers.tiers._layers import Pieces, layer_pieces, write_layers
 from kvtiers.tiers._remote_layers import LayerPlan
 from kvtiers.tiers.base import Buffer
 
-__all__ = ["LayerRanges"]
+__all__ = ["LayerRanges", "Ranged"]
 
 _HEADERS_KEPT = 4096  # verified headers kept for later waves (one per chunk of a load)
+
+Ranged = tuple[Header | None, list[bytes]]
+"""One value's ranged read: the header it was planned with (`None`: none), what was read."""
 
 
 class LayerRanges:
@@ -48,11 +51,15 @@ class LayerRanges:
 
     def ranges(self, key: ChunkKey, plan: LayerPlan) -> list[tuple[int, int]]:
         """Return the `[start, end)` byte ranges to read of `key`'s value."""
-        known = self._headers.get(key)
-        return list(plan.ranges) if known is None else plan.run_ranges(known)
+        return _ranges_of(plan, self._headers.get(key))
 
-    def verify(self, key: ChunkKey, plan: LayerPlan, parts: Sequence[bytes]) -> Pieces | None:
+    def verify(
+        self, key: ChunkKey, plan: LayerPlan, known: Header | None, parts: Sequence[bytes]
+    ) -> Pieces | None:
         """Return the layers `parts` hold, each verified; `None` if any check fails.
+
+        `known` is the header the ranges were planned with (`None`: they start with the
+        header), not the one kept now: another call may have learned or dropped it since.
 
         NOTE: the later waves of a load check their layers against the header the first
         wave verified. A value rewritten meanwhile with other bytes fails that check and
@@ -60,7 +67,6 @@ class LayerRanges:
         waves of one load may come from two valid versions of the value (each layer
         checked against its own), as on the remote tier.
         """
-        known = self._headers.get(key)
         if known is not None:
             pieces = plan.verify_runs(known, parts)
         else:
@@ -76,44 +82,58 @@ class LayerRanges:
 
     def queue(
         self, pipe: Any, names: Sequence[bytes], keys: Sequence[ChunkKey], plan: LayerPlan
-    ) -> list[int]:
-        """Queue the GETRANGEs of each key's ranges on a redis pipeline; return their counts."""
-        counts = []
+    ) -> list[Header | None]:
+        """Queue the GETRANGEs of each key's ranges on a redis pipeline.
+
+        Returns the header each key's ranges were planned with, for `split` and `deliver`.
+        """
+        planned = []
         for key, name in zip(keys, names, strict=True):
-            ranges = self.ranges(key, plan)
-            for start, end in ranges:
+            known = self._headers.get(key)
+            for start, end in _ranges_of(plan, known):
                 pipe.getrange(name, start, end - 1)  # NOTE: GETRANGE's end is inclusive
-            counts.append(len(ranges))
-        return counts
+            planned.append(known)
+        return planned
 
     @staticmethod
-    def split(results: Sequence[Any], counts: Sequence[int]) -> tuple[list[list[bytes]], list[Any]]:
-        """Return a pipeline's GETRANGE answers per key (`counts` from `queue`), and the rest."""
-        parts, at = [], 0
-        for count in counts:
-            parts.append([bytes(part) for part in results[at : at + count]])
+    def split(
+        results: Sequence[Any], plan: LayerPlan, planned: Sequence[Header | None]
+    ) -> tuple[list[Ranged], list[Any]]:
+        """Return a pipeline's GETRANGE answers per key (`planned` from `queue`), and the rest."""
+        reads, at = [], 0
+        for known in planned:
+            count = len(plan.ranges) if known is None else len(plan.runs)
+            reads.append((known, [bytes(part) for part in results[at : at + count]]))
             at += count
-        return parts, list(results[at:])
+        return reads, list(results[at:])
 
     def deliver(
         self,
         keys: Sequence[ChunkKey],
         plan: LayerPlan,
-        parts: Sequence[Sequence[bytes]],
+        reads: Sequence[Ranged],
         dsts: Sequence[Buffer],
     ) -> tuple[list[Verdict | None], list[int]]:
         """Write the verified layers of each key into its destination.
 
         Returns each key's verdict (`None` for a missing value, or one to judge whole) and
         the positions of the values that did not verify, for a whole read.
+
+        NOTE: GETRANGE answers a missing value, and a range past a short value's end, with
+        b"". Only a range from byte 0 (the header's) tells a missing value; ranges planned
+        with a known header that read b"" are judged whole, or a value truncated (or
+        replaced by a short one) between waves would stay, uncounted, as a miss.
         """
         verdicts: list[Verdict | None] = []
         again: list[int] = []
-        for i, (key, got, dst) in enumerate(zip(keys, parts, dsts, strict=True)):
-            pieces = self.verify(key, plan, got) if got[0] else None  # b"": no value
+        for i, (key, (known, got), dst) in enumerate(zip(keys, reads, dsts, strict=True)):
+            if known is None and not got[0]:  # no value
+                verdicts.append(None)
+                continue
+            pieces = self.verify(key, plan, known, got)
             if pieces is not None:
                 write_layers(dst, pieces, self._layout.num_layers)
-            elif got[0]:
+            else:
                 again.append(i)
             verdicts.append(Verdict.OK if pieces is not None else None)
         return verdicts, again
@@ -127,3 +147,8 @@ class LayerRanges:
         """Drop the headers of `keys` (their values were deleted or replaced)."""
         for key in keys:
             self._headers.pop(key, None)
+
+
+def _ranges_of(plan: LayerPlan, known: Header | None) -> list[tuple[int, int]]:
+    """Return the ranges of `plan` to read of a value whose header is `known` (or not)."""
+    return list(plan.ranges) if known is None else plan.run_ranges(known)

@@ -55,7 +55,7 @@ from kvtiers.tiers._pool_guard import (
     tally_reads,
 )
 from kvtiers.tiers._pool_options import RedisOptions
-from kvtiers.tiers._redis_layers import LayerRanges
+from kvtiers.tiers._redis_layers import LayerRanges, Ranged
 from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
 from kvtiers.tiers._remote_layers import LayerPlan
@@ -227,11 +227,11 @@ class RedisTier(Tier):
         return hits
 
     async def _get_some(
-        self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]
+        self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer], *, touch: bool = True
     ) -> list[Verdict | None]:
         """Read one pipeline's worth of keys into `dsts`; `None` where there was no value."""
         try:
-            values = await self._guard.call(functools.partial(self._read, keys))
+            values = await self._guard.call(functools.partial(self._read, keys, touch))
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
             return [None] * len(keys)
@@ -240,16 +240,18 @@ class RedisTier(Tier):
             for key, raw, dst in zip(keys, values, dsts, strict=True)
         ]
 
-    async def _read(self, keys: Sequence[ChunkKey]) -> list[bytes | None]:
-        """Read the values of `keys` and touch them, in one pipeline."""
+    async def _read(self, keys: Sequence[ChunkKey], touch: bool = True) -> list[bytes | None]:
+        """Read the values of `keys` and, when `touch`, touch them, in one pipeline."""
         names = [self._chunk_key(key) for key in keys]
         pipe = self._redis.pipeline(transaction=False)
-        ttl_ms = self._ttl_ms()
+        ttl_ms = self._ttl_ms() if touch else 0
         for name in names:
             if ttl_ms:
                 pipe.getex(name, px=ttl_ms)
             else:
                 pipe.get(name)
+        if not touch:  # a later wave of a layer-wise load: the first touched them
+            return list(await pipe.execute())
         self._touch(pipe, names)
         *values, count = await pipe.execute()
         self._num_entries = int(count)
@@ -299,7 +301,7 @@ class RedisTier(Tier):
         verdicts, again = self._ranges.deliver(keys, plan, parts, dsts)
         if again:  # values that did not verify: judged whole
             scratch = np.empty((len(again), self.layout.chunk_bytes), dtype=np.uint8)
-            whole = await self._get_some([keys[i] for i in again], list(scratch))
+            whole = await self._get_some([keys[i] for i in again], list(scratch), touch=touch)
             for i, row, verdict in zip(again, scratch, whole, strict=True):
                 verdicts[i] = verdict
                 if verdict is Verdict.OK:
@@ -308,19 +310,19 @@ class RedisTier(Tier):
 
     async def _read_ranges(
         self, keys: Sequence[ChunkKey], plan: LayerPlan, touch: bool
-    ) -> list[list[bytes]]:
+    ) -> list[Ranged]:
         """Read the ranges of each key's value, in one pipeline (touched when `touch`).
 
         A range of a missing value reads as empty.
         """
         names = [self._chunk_key(key) for key in keys]
         pipe = self._redis.pipeline(transaction=False)
-        counts = self._ranges.queue(pipe, names, keys, plan)
+        planned = self._ranges.queue(pipe, names, keys, plan)
         if touch:
             self._touch(pipe, names)
             for name in names if self._ttl_ms() else ():
                 pipe.pexpire(name, self._ttl_ms())  # a GET refreshes it with GETEX
-        parts, rest = self._ranges.split(await pipe.execute(), counts)
+        parts, rest = self._ranges.split(await pipe.execute(), plan, planned)
         if touch:
             self._num_entries = int(rest[0])
         return parts
