@@ -55,6 +55,7 @@ from kvtiers.tiers._pool_guard import (
     tally_reads,
 )
 from kvtiers.tiers._pool_options import RedisOptions
+from kvtiers.tiers._redis_answers import read_answers
 from kvtiers.tiers._redis_layers import LayerRanges, Ranged
 from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
@@ -250,11 +251,11 @@ class RedisTier(Tier):
                 pipe.getex(name, px=ttl_ms)
             else:
                 pipe.get(name)
-        if not touch:  # a later wave of a layer-wise load: the first touched them
-            return list(await pipe.execute())
-        self._touch(pipe, names)
-        *values, count = await pipe.execute()
-        self._num_entries = int(count)
+        if touch:  # not for a later wave of a layer-wise load: the first touched them
+            self._touch(pipe, names)
+        values, rest = read_answers(await pipe.execute(raise_on_error=False), len(names))
+        if touch:
+            self._num_entries = int(rest[0])
         return values
 
     # -- layer-wise reads --------------------------------------------------------------
@@ -318,14 +319,15 @@ class RedisTier(Tier):
         names = [self._chunk_key(key) for key in keys]
         pipe = self._redis.pipeline(transaction=False)
         planned = self._ranges.queue(pipe, names, keys, plan)
+        num_reads = len(pipe)
         if touch:
             self._touch(pipe, names)
             for name in names if self._ttl_ms() else ():
                 pipe.pexpire(name, self._ttl_ms())  # a GET refreshes it with GETEX
-        parts, rest = self._ranges.split(await pipe.execute(), plan, planned)
+        reads, rest = read_answers(await pipe.execute(raise_on_error=False), num_reads)
         if touch:
             self._num_entries = int(rest[0])
-        return parts
+        return self._ranges.split(reads, plan, planned)[0]
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited

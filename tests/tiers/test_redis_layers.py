@@ -176,3 +176,24 @@ async def test_a_cache_loads_a_redis_pool_wave_by_wave(redis_server: RedisServer
         assert same_bytes(got, kv)
         assert calls == [(1, 96), (3, 96), (8, 96)]
         assert cache.stats().tiers[1].hits == 6
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+async def test_a_key_of_another_type_is_a_deleted_corrupt_value_not_an_outage(
+    redis_server: RedisServer, layerwise: bool
+) -> None:
+    async with tier_on(redis_server) as tier:
+        ks, srcs = keys(3), payloads(3)
+        await tier.put(ks, srcs)
+        name = tier._chunk_key(ks[1])
+        await tier._redis.delete(name)
+        await tier._redis.rpush(name, b"not a chunk")  # behind kvtiers' back
+        out = blank(3)
+        if layerwise:
+            got = await tier.get_layers(ks, [0, 1], out)
+        else:
+            got = await tier.get(ks, out)
+        assert got == [True, False, True]
+        assert tier.counters.corrupt == 1 and tier.io_counters.failures == 0
+        assert not await tier._redis.exists(name)  # deleted, so the next read is a plain miss
+        assert await tier.get(ks, blank(3)) == [True, False, True]
