@@ -23,9 +23,7 @@ proxy that keeps one layout's keys on one shard), not Redis Cluster.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -55,9 +53,8 @@ from kvtiers.tiers._pool_guard import (
     tally_reads,
 )
 from kvtiers.tiers._pool_options import RedisOptions
-from kvtiers.tiers._redis_answers import read_answers
-from kvtiers.tiers._redis_layers import LayerRanges, Ranged
-from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
+from kvtiers.tiers._redis_layers import LayerRanges
+from kvtiers.tiers._redis_requests import RedisRequests
 from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
 from kvtiers.tiers._remote_layers import LayerPlan
 from kvtiers.tiers._remote_options import Redactor, display_url
@@ -110,8 +107,8 @@ class RedisTier(Tier):
         base = f"{self.options.prefix}:{self._fingerprint.hex()}"
         self.namespace = base
         """The first part of every key of this tier's layout."""
-        self._lru = f"{base}:lru".encode()
-        self._chunk_prefix = f"{base}:c:".encode()
+        self._io = RedisRequests(base, self._ttl_ms(), self._ranges)
+        self._lru = self._io.lru
         options = self.options
         self._guard = StoreGuard(
             f"redis tier {self.name!r}",
@@ -125,7 +122,6 @@ class RedisTier(Tier):
             timeouts=(RedisTimeoutError,),
             redact=Redactor({}, options.url),
         )
-        self._client: aioredis.Redis | None = None
         self._num_entries = 0  # the recency set's size, as of the last request
 
     @property
@@ -142,7 +138,7 @@ class RedisTier(Tier):
     async def _open(self) -> None:
         # docstring inherited
         options = self.options
-        self._client = aioredis.Redis.from_url(
+        self._io.client = aioredis.Redis.from_url(
             options.url,
             max_connections=options.max_connections,
             socket_timeout=options.timeout,
@@ -155,17 +151,16 @@ class RedisTier(Tier):
             self.counters.fail(timed_out=exc.timed_out)
 
     async def _refresh_usage(self) -> None:
-        self._num_entries = int(await self._redis.zcard(self._lru))
+        self._num_entries = await self._io.count()
 
     async def _close(self) -> None:
         # docstring inherited
-        if self._client is not None:
-            await self._client.aclose()
+        if self._io.client is not None:
+            await self._io.client.aclose()
 
     @property
     def _redis(self) -> aioredis.Redis:
-        assert self._client is not None  # NOTE: set by _open; every caller checks the state
-        return self._client
+        return self._io.redis
 
     # -- the contract ------------------------------------------------------------------
 
@@ -179,20 +174,14 @@ class RedisTier(Tier):
             self.counters.unavailable += 1
             return [False] * len(keys)
 
-        async def request() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._chunk_key(key))
-            pipe.zcard(self._lru)
-            return await pipe.execute()
-
         try:
-            *found, count = await self._guard.call(request)
+            found, self._num_entries = await self._guard.call(
+                functools.partial(self._io.exists, keys)
+            )
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
             return [False] * len(keys)
-        self._num_entries = int(count)
-        return [bool(n) for n in found]
+        return found
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -232,31 +221,15 @@ class RedisTier(Tier):
     ) -> list[Verdict | None]:
         """Read one pipeline's worth of keys into `dsts`; `None` where there was no value."""
         try:
-            values = await self._guard.call(functools.partial(self._read, keys, touch))
+            values, count = await self._guard.call(functools.partial(self._io.read, keys, touch))
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
             return [None] * len(keys)
+        self._num_entries = self._num_entries if count is None else count
         return [
             None if raw is None else self._values.read_into(key, raw, dst)
             for key, raw, dst in zip(keys, values, dsts, strict=True)
         ]
-
-    async def _read(self, keys: Sequence[ChunkKey], touch: bool = True) -> list[bytes | None]:
-        """Read the values of `keys` and, when `touch`, touch them, in one pipeline."""
-        names = [self._chunk_key(key) for key in keys]
-        pipe = self._redis.pipeline(transaction=False)
-        ttl_ms = self._ttl_ms() if touch else 0
-        for name in names:
-            if ttl_ms:
-                pipe.getex(name, px=ttl_ms)
-            else:
-                pipe.get(name)
-        if touch:  # not for a later wave of a layer-wise load: the first touched them
-            self._touch(pipe, names)
-        values, rest = read_answers(await pipe.execute(raise_on_error=False), len(names))
-        if touch:
-            self._num_entries = int(rest[0])
-        return values
 
     # -- layer-wise reads --------------------------------------------------------------
 
@@ -294,11 +267,13 @@ class RedisTier(Tier):
         self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer], *, plan: LayerPlan, touch: bool
     ) -> list[Verdict | None]:
         """Read one pipeline's worth of keys' layers; read whole those that do not verify."""
+        read = functools.partial(self._io.read_ranges, keys, plan, touch)
         try:
-            parts = await self._guard.call(functools.partial(self._read_ranges, keys, plan, touch))
+            parts, count = await self._guard.call(read)
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
             return [None] * len(keys)
+        self._num_entries = self._num_entries if count is None else count
         verdicts, again = self._ranges.deliver(keys, plan, parts, dsts)
         if again:  # values that did not verify: judged whole
             scratch = np.empty((len(again), self.layout.chunk_bytes), dtype=np.uint8)
@@ -308,26 +283,6 @@ class RedisTier(Tier):
                 if verdict is Verdict.OK:
                     self._ranges.deliver_whole(plan, row, dsts[i])
         return verdicts
-
-    async def _read_ranges(
-        self, keys: Sequence[ChunkKey], plan: LayerPlan, touch: bool
-    ) -> list[Ranged]:
-        """Read the ranges of each key's value, in one pipeline (touched when `touch`).
-
-        A range of a missing value reads as empty.
-        """
-        names = [self._chunk_key(key) for key in keys]
-        pipe = self._redis.pipeline(transaction=False)
-        planned = self._ranges.queue(pipe, names, keys, plan)
-        num_reads = len(pipe)
-        if touch:
-            self._touch(pipe, names)
-            for name in names if self._ttl_ms() else ():
-                pipe.pexpire(name, self._ttl_ms())  # a GET refreshes it with GETEX
-        reads, rest = read_answers(await pipe.execute(raise_on_error=False), num_reads)
-        if touch:
-            self._num_entries = int(rest[0])
-        return self._ranges.split(reads, plan, planned)[0]
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -353,18 +308,13 @@ class RedisTier(Tier):
     async def _write(self, keys: Sequence[ChunkKey], sources: dict[ChunkKey, Buffer]) -> list[bool]:
         """Store `keys` with one script call; return which are held after it."""
         values = [self._pack(key, sources[key]) for key in keys]
-        names = [self._chunk_key(key) for key in keys]
-        argv = (repr(time.time()), self.max_entries, self._ttl_ms())
-        out = await self._redis.eval(PUT_SCRIPT, len(names) + 1, self._lru, *names, *argv, *values)
-        flags, count = [int(x) for x in out[: len(keys)]], int(out[len(keys)])
-        evicted = [bytes(name)[len(self._chunk_prefix) :] for name in out[len(keys) + 1 :]]
-        self._num_entries = count
+        held, self._num_entries, evicted = await self._io.write(keys, values, self.max_entries)
         self.counters.evictions += len(evicted)
         self._note_evicted(evicted)
-        written = sum(flags)
+        written = sum(held)
         self.counters.puts += written
         self.counters.bytes_written += written * self.layout.chunk_bytes
-        return [bool(flag) for flag in flags]
+        return held
 
     def _pack(self, key: ChunkKey, src: Buffer) -> bytes:
         payload = np.ascontiguousarray(src).reshape(-1)
@@ -379,21 +329,10 @@ class RedisTier(Tier):
 
     async def _delete(self, keys: Sequence[ChunkKey]) -> None:
         self._ranges.forget(keys)
-        names = [self._chunk_key(key) for key in keys]
-
-        async def request() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.unlink(*names)
-            pipe.zrem(self._lru, *names)
-            pipe.zcard(self._lru)
-            return await pipe.execute()
-
         try:
-            *_, count = await self._guard.call(request)
+            self._num_entries = await self._guard.call(functools.partial(self._io.delete, keys))
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
-            return
-        self._num_entries = int(count)
 
     def usage(self) -> TierUsage:
         """Return the capacity and what every process holds, as of the last request."""
@@ -416,12 +355,8 @@ class RedisTier(Tier):
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _touch(self, pipe: Any, names: Sequence[bytes]) -> None:
-        """Queue the recency update of `names` (it answers the recency set's size)."""
-        pipe.eval(TOUCH_SCRIPT, len(names) + 1, self._lru, *names, repr(time.time()))
-
     def _chunk_key(self, key: ChunkKey) -> bytes:
-        return self._chunk_prefix + key
+        return self._io.name(key)
 
     def _ttl_ms(self) -> int:
         ttl = self.options.ttl

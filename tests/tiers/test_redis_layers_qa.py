@@ -298,8 +298,11 @@ async def test_old_format_values_load_layer_wise(redis_server: RedisServer) -> N
 
 
 async def test_a_stale_header_never_serves_a_rewritten_value(redis_server: RedisServer) -> None:
-    async with tier_on(redis_server) as tier, tier_on(redis_server) as other:
-        other._chunk_prefix, other._lru = tier._chunk_prefix, tier._lru  # one pool
+    prefix = unique_prefix()  # one pool, two processes
+    async with (
+        tier_on(redis_server, prefix=prefix) as tier,
+        tier_on(redis_server, prefix=prefix) as other,
+    ):
         ks, _, out = await first_wave(tier)
         await other.delete(ks)
         (new,) = payloads(1, seed=8)

@@ -1,0 +1,124 @@
+"""The redis tier's requests on one layout's keys: pipelines and scripts, no accounting.
+
+Each method is one round trip to the server. Those that touch the recency set return its
+size as the server answered it (the tier's usage), or `None` when the request did not ask.
+Errors propagate to the caller, which runs every request behind the tier's `StoreGuard`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from kvtiers.core.keys import ChunkKey
+from kvtiers.tiers._redis_answers import read_answers
+from kvtiers.tiers._redis_layers import LayerRanges, Ranged
+from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
+from kvtiers.tiers._remote_layers import LayerPlan
+
+__all__ = ["RedisRequests"]
+
+
+class RedisRequests:
+    """Requests on the keys of one namespace (`<prefix>:<layout fingerprint hex>`).
+
+    Args:
+        namespace: the first part of every key of the layout.
+        ttl_ms: a chunk's time to live in milliseconds after its last write or read (0: none).
+        ranges: plans and splits the ranged reads of layer-wise loads.
+    """
+
+    def __init__(self, namespace: str, ttl_ms: int, ranges: LayerRanges) -> None:
+        self.lru = f"{namespace}:lru".encode()
+        """The recency set: every chunk's name, scored by its last write or read."""
+        self.chunk_prefix = f"{namespace}:c:".encode()
+        self.ttl_ms = ttl_ms
+        self._ranges = ranges
+        self.client: aioredis.Redis | None = None
+        """The connection pool, set while the tier is open."""
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        assert self.client is not None  # NOTE: set by the tier's _open; callers check the state
+        return self.client
+
+    def name(self, key: ChunkKey) -> bytes:
+        """Return the server's key of chunk `key`."""
+        return self.chunk_prefix + key
+
+    def _touch(self, pipe: Any, names: Sequence[bytes]) -> None:
+        """Queue the recency update of `names` (it answers the recency set's size)."""
+        pipe.eval(TOUCH_SCRIPT, len(names) + 1, self.lru, *names, repr(time.time()))
+
+    async def count(self) -> int:
+        """Return the recency set's size."""
+        return int(await self.redis.zcard(self.lru))
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> tuple[list[bool], int]:
+        """Return which chunks have a value, and the recency set's size."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.name(key))
+        pipe.zcard(self.lru)
+        *found, count = await pipe.execute()
+        return [bool(n) for n in found], int(count)
+
+    async def read(
+        self, keys: Sequence[ChunkKey], touch: bool
+    ) -> tuple[list[bytes | None], int | None]:
+        """Read the values of `keys` (`None`: none) and, when `touch`, touch them."""
+        names = [self.name(key) for key in keys]
+        pipe = self.redis.pipeline(transaction=False)
+        ttl_ms = self.ttl_ms if touch else 0
+        for name in names:
+            if ttl_ms:
+                pipe.getex(name, px=ttl_ms)
+            else:
+                pipe.get(name)
+        if touch:  # not for a later wave of a layer-wise load: the first touched them
+            self._touch(pipe, names)
+        values, rest = read_answers(await pipe.execute(raise_on_error=False), len(names))
+        return values, int(rest[0]) if touch else None
+
+    async def read_ranges(
+        self, keys: Sequence[ChunkKey], plan: LayerPlan, touch: bool
+    ) -> tuple[list[Ranged], int | None]:
+        """Read the ranges of each key's value (empty for a missing value); touch if asked."""
+        names = [self.name(key) for key in keys]
+        pipe = self.redis.pipeline(transaction=False)
+        planned = self._ranges.queue(pipe, names, keys, plan)
+        num_reads = len(pipe)
+        if touch:
+            self._touch(pipe, names)
+            for name in names if self.ttl_ms else ():
+                pipe.pexpire(name, self.ttl_ms)  # a GET refreshes it with GETEX
+        reads, rest = read_answers(await pipe.execute(raise_on_error=False), num_reads)
+        return self._ranges.split(reads, plan, planned)[0], int(rest[0]) if touch else None
+
+    async def write(
+        self, keys: Sequence[ChunkKey], values: Sequence[bytes], max_entries: int
+    ) -> tuple[list[bool], int, list[ChunkKey]]:
+        """Store values with one script call (`_redis_scripts.PUT_SCRIPT`).
+
+        Returns which keys are held after it, the recency set's size, and the chunks the
+        script evicted.
+        """
+        names = [self.name(key) for key in keys]
+        argv = (repr(time.time()), max_entries, self.ttl_ms)
+        out = await self.redis.eval(PUT_SCRIPT, len(names) + 1, self.lru, *names, *argv, *values)
+        held = [bool(int(x)) for x in out[: len(keys)]]
+        evicted = [ChunkKey(bytes(n)[len(self.chunk_prefix) :]) for n in out[len(keys) + 1 :]]
+        return held, int(out[len(keys)]), evicted
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Delete the chunks' values and recency entries; return the recency set's size."""
+        names = [self.name(key) for key in keys]
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.unlink(*names)
+        pipe.zrem(self.lru, *names)
+        pipe.zcard(self.lru)
+        *_, count = await pipe.execute()
+        return int(count)
