@@ -128,8 +128,9 @@ def test_layer_wise_loads_from_a_pool_and_a_corrupt_later_layer(vllm_python, tin
 def test_prefill_and_decode_instances_hand_off_through_the_pool(vllm_python, tiny_llama, tmp_path):
     """A kv_producer engine prefills and announces what it stored; a kv_consumer engine,
     whose pool gets the producer's objects two seconds after its requests arrive, waits for
-    them, loads them and answers exactly as without kvtiers, storing nothing itself. When
-    the announced KV never comes, a consumer computes the prompts after `handoff_wait_s`."""
+    them, loads them and answers exactly as without kvtiers, storing nothing itself, also in
+    vLLM's default multiprocess mode. When the announced KV never comes, a consumer computes
+    the prompts after `handoff_wait_s`."""
     result = result_of(start(vllm_python, tiny_llama, tmp_path, "handoff"))
     baseline = tokens(result["baseline"])
     whole = [n // 64 * 64 for n in result["prompt_lengths"]]
@@ -156,6 +157,13 @@ def test_prefill_and_decode_instances_hand_off_through_the_pool(vllm_python, tin
     assert never["seconds"] >= 1.0
 
     assert "store_generated" in result["consumer_store_generated"]
+
+    # The same hand-off to a consumer in vLLM's default mode (lookups through the channel).
+    mp = result_of(start(vllm_python, tiny_llama, tmp_path, "handoff-mp"))
+    assert tokens(mp["outputs"]) == baseline
+    assert [o["cached"] for o in mp["outputs"]] == [o["cached"] for o in handed["outputs"]]
+    assert mp["seconds"] >= 2.0  # it waited for the copy
+    assert mp["objects"] == result["producer_objects"]  # and stored nothing
 
 
 def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):

@@ -9,10 +9,15 @@ their way): the decode engine waits for them instead of computing the prompts, l
 answers exactly as an engine without kvtiers, and stores nothing. Then a decode engine
 whose announced KV never arrives gives up after `handoff_wait_s` and computes the prompts.
 Last, `store_generated` on a consumer is refused when the engine is built.
+
+`handoff-mp` runs after it on the same work folder: a consumer in vLLM's default mode
+(scheduler and worker in separate processes, so its lookups go through the lookup
+channel), whose pool gets `handoff`'s producer objects two seconds after its requests.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -71,10 +76,15 @@ def decode(
     }
 
 
-def scenario_handoff(model: str, work: Path) -> dict[str, Any]:
+def handoff_prompts() -> list[list[int]]:
     prompts = make_prompts(seed=5)
     rng = random.Random(6)  # and one prompt of whole chunks
     prompts.append(prompts[0][:PREFIX_TOKENS] + [rng.randrange(3, 500) for _ in range(CHUNK)])
+    return prompts
+
+
+def scenario_handoff(model: str, work: Path) -> dict[str, Any]:
+    prompts = handoff_prompts()
     result: dict[str, Any] = {"prompt_lengths": [len(p) for p in prompts]}
 
     base = Engine(model, None, prefix_caching=False)
@@ -86,6 +96,7 @@ def scenario_handoff(model: str, work: Path) -> dict[str, Any]:
     )
     prefilled = producer.generate(prompts)
     result["params"] = [o["kv_transfer_params"] for o in prefilled]
+    (work / "params.json").write_text(json.dumps(result["params"]))  # for handoff-mp
     result["producer_stats"] = dict(producer.reported)
     producer.connector.flush(60)
     producer.close()
@@ -123,4 +134,18 @@ def scenario_handoff(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
-__all__ = ["MAX_TOKENS", "scenario_handoff"]
+def scenario_handoff_mp(model: str, work: Path) -> dict[str, Any]:
+    """A consumer in vLLM's default mode, after `scenario_handoff` on the same `work`."""
+    params = json.loads((work / "params.json").read_text())
+    handoff = {"handoff_wait_s": 60}
+    consumer = Engine(
+        model, pool(work, "pool-mp"), prefix_caching=False, kv_role="kv_consumer", extra=handoff
+    )
+    consumer.pool = work / "pool-mp"
+    result = decode(consumer, handoff_prompts(), params, copy_from=work / "pool-p")
+    consumer.close()
+    result["objects"] = len(objects_in(work / "pool-mp"))
+    return result
+
+
+__all__ = ["MAX_TOKENS", "scenario_handoff", "scenario_handoff_mp"]

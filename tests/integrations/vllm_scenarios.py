@@ -33,7 +33,8 @@ Scenarios:
 - `pool`: DRAM over a `file://` remote pool, read layer-wise: engine A stores; a fresh
   engine B loads wave by wave; then one object of the shared prefix gets a bad byte in its
   second layer, and a fresh engine C has that chunk's blocks recomputed.
-- `handoff`: prefill/decode disaggregation through a pool (vllm_handoff_scenario.py).
+- `handoff`, `handoff-mp`: prefill/decode disaggregation through a pool
+  (vllm_handoff_scenario.py).
 """
 
 from __future__ import annotations
@@ -607,6 +608,7 @@ def main() -> None:
             "mla-tp2",
             "pool",
             "handoff",
+            "handoff-mp",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -614,7 +616,7 @@ def main() -> None:
     parser.add_argument("--role", choices=["writer", "reader"], default="reader")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if args.scenario not in ("multiprocess", "tp2", "pp2", "mla-tp2"):
+    if args.scenario not in ("multiprocess", "tp2", "pp2", "mla-tp2", "handoff-mp"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -640,6 +642,10 @@ def main() -> None:
         from vllm_handoff_scenario import scenario_handoff
 
         result = scenario_handoff(args.model, args.work)
+    elif args.scenario == "handoff-mp":
+        from vllm_handoff_scenario import scenario_handoff_mp
+
+        result = scenario_handoff_mp(args.model, args.work)
     else:
         result = scenario_multiprocess(args.model, args.work)
     result["seconds"] = time.perf_counter() - started
