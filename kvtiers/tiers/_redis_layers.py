@@ -98,14 +98,14 @@ class LayerRanges:
     @staticmethod
     def split(
         results: Sequence[Any], plan: LayerPlan, planned: Sequence[Header | None]
-    ) -> tuple[list[Ranged], list[Any]]:
-        """Return a pipeline's GETRANGE answers per key (`planned` from `queue`), and the rest."""
+    ) -> list[Ranged]:
+        """Return a pipeline's GETRANGE answers per key (`planned` from `queue`)."""
         reads, at = [], 0
         for known in planned:
             count = len(plan.ranges) if known is None else len(plan.runs)
             reads.append((known, [bytes(part) for part in results[at : at + count]]))
             at += count
-        return reads, list(results[at:])
+        return reads
 
     def deliver(
         self,

@@ -96,7 +96,7 @@ class RedisRequests:
             for name in names if self.ttl_ms else ():
                 pipe.pexpire(name, self.ttl_ms)  # a GET refreshes it with GETEX
         reads, rest = read_answers(await pipe.execute(raise_on_error=False), num_reads)
-        return self._ranges.split(reads, plan, planned)[0], int(rest[0]) if touch else None
+        return self._ranges.split(reads, plan, planned), int(rest[0]) if touch else None
 
     async def write(
         self, keys: Sequence[ChunkKey], values: Sequence[bytes], max_entries: int
