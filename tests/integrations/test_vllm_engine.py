@@ -166,6 +166,30 @@ def test_prefill_and_decode_instances_hand_off_through_the_pool(vllm_python, tin
     assert mp["objects"] == result["producer_objects"]  # and stored nothing
 
 
+@TWO_CPUS
+def test_tensor_parallel_prefill_and_decode_hand_off_only_once_every_rank_has_its_shard(
+    vllm_python, tiny_llama, tmp_path
+):
+    """TP 2 producer and consumer (two workers each, vLLM's default mode): every rank stores
+    and loads its own shard. The consumer's pool gets rank 0's shards two seconds after the
+    requests and rank 1's two seconds later; with one rank's shards only, the minimum over
+    ranks is still short of the announcement, so the consumer waits for both, then loads
+    every whole chunk and answers exactly as a TP 2 engine without kvtiers."""
+    result = result_of(start(vllm_python, tiny_llama, tmp_path, "handoff-tp2"), timeout=900)
+    baseline = tokens(result["baseline"])
+    whole = [n // 64 * 64 for n in result["prompt_lengths"]]
+    assert result["params"] == [{"kvtiers": {"stored_tokens": n}} for n in whole]
+    assert result["producer_objects"] == {"0": 5, "1": 5}  # each rank its own shard of each
+
+    handed = result["decode"]
+    assert tokens(handed["outputs"]) == baseline
+    assert [o["cached"] for o in handed["outputs"]] == [
+        min(n, m - 1) for n, m in zip(whole, result["prompt_lengths"], strict=True)
+    ]
+    assert handed["seconds"] >= 4.0  # it waited for rank 1's shards, not only rank 0's
+    assert result["decode_objects"] == 10  # what was copied in; the consumer stored nothing
+
+
 def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):
     result, work = inprocess
     reader = start(vllm_python, tiny_llama, work, "shared", "--role", "reader")

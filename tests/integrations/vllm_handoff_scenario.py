@@ -13,6 +13,12 @@ Last, `store_generated` on a consumer is refused when the engine is built.
 `handoff-mp` runs after it on the same work folder: a consumer in vLLM's default mode
 (scheduler and worker in separate processes, so its lookups go through the lookup
 channel), whose pool gets `handoff`'s producer objects two seconds after its requests.
+
+`handoff-tp2`: the same hand-off between two engines of tensor parallelism 2 (vLLM's
+default mode, two workers each), each rank storing and loading its own shard under its own
+layout. The consumer's pool gets rank 0's shards two seconds after the requests and rank
+1's two seconds later: a prompt is loaded only once both ranks hold it (the scheduler's
+answer is the minimum over ranks), never from one rank's shards with the other's computed.
 """
 
 from __future__ import annotations
@@ -46,9 +52,22 @@ def objects_in(root: Path) -> set[Path]:
     }
 
 
-def copy_objects(source: Path, target: Path) -> None:
-    """Copy `source`'s chunk objects into `target`, each one appearing whole (a rename)."""
-    for relative in sorted(objects_in(source)):
+def objects_by_rank(root: Path) -> dict[int, set[Path]]:
+    """Return `root`'s chunk objects by the TP rank of their namespace's layout record."""
+    from kvtiers.tiers._layout_record import REMOTE_NAME, decode
+
+    ranks: dict[int, set[Path]] = {}
+    for relative in objects_in(root):
+        fields = decode((root / relative.parents[1] / REMOTE_NAME).read_bytes())
+        if fields is None:
+            raise RuntimeError(f"no layout record for {relative}")
+        ranks.setdefault(fields["tp_rank"], set()).add(relative)
+    return ranks
+
+
+def copy_objects(source: Path, target: Path, only: set[Path] | None = None) -> None:
+    """Copy `source`'s chunk objects (or `only` those) into `target`, each appearing whole."""
+    for relative in sorted(objects_in(source) if only is None else only):
         dest = target / relative
         dest.parent.mkdir(parents=True, exist_ok=True)
         staged = dest.with_name(f".{dest.name}.part")
@@ -57,17 +76,29 @@ def copy_objects(source: Path, target: Path) -> None:
 
 
 def decode(
-    engine: Engine, prompts: list[list[int]], params: list[Any], *, copy_from: Path | None = None
+    engine: Engine,
+    prompts: list[list[int]],
+    params: list[Any],
+    *,
+    copy_from: Path | None = None,
+    waves: list[set[Path]] | None = None,
 ) -> dict[str, Any]:
-    """Run `prompts` with the producer's params; copy its objects in after a pause."""
-    copier = None
+    """Run `prompts` with the producer's params; copy its objects in after a pause.
+
+    With `waves`, wave `i` of `copy_from`'s objects is copied `(i + 1) * COPY_AFTER_S`
+    after the requests; without, all of them after `COPY_AFTER_S`.
+    """
+    copiers = []
     if copy_from is not None:
-        copier = threading.Timer(COPY_AFTER_S, copy_objects, (copy_from, engine.pool))
+        for i, wave in enumerate(waves or [objects_in(copy_from)]):
+            after = (i + 1) * COPY_AFTER_S
+            copiers.append(threading.Timer(after, copy_objects, (copy_from, engine.pool, wave)))
+    for copier in copiers:
         copier.start()
     started = time.perf_counter()
     outputs = engine.generate(prompts, kv_transfer_params=params)
     seconds = time.perf_counter() - started
-    if copier is not None:
+    for copier in copiers:
         copier.join()
     return {
         "outputs": outputs,
@@ -148,4 +179,47 @@ def scenario_handoff_mp(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
-__all__ = ["MAX_TOKENS", "scenario_handoff", "scenario_handoff_mp"]
+def scenario_handoff_tp2(model: str, work: Path) -> dict[str, Any]:
+    """The hand-off between a producer and a consumer of tensor parallelism 2."""
+    from vllm_scenarios import bind_ranks
+
+    bind_ranks(2)
+    prompts = handoff_prompts()
+    result: dict[str, Any] = {"prompt_lengths": [len(p) for p in prompts]}
+    base = Engine(model, None, prefix_caching=False, tensor_parallel=2)
+    result["baseline"] = base.generate(prompts)
+    base.close()
+
+    producer = Engine(
+        model,
+        pool(work, "pool-p"),
+        prefix_caching=False,
+        tensor_parallel=2,
+        kv_role="kv_producer",
+        max_tokens=1,
+    )
+    prefilled = producer.generate(prompts)
+    params = [o["kv_transfer_params"] for o in prefilled]
+    result["params"] = params
+    producer.close()  # the connectors' shutdown waits for the workers' saves
+    by_rank = objects_by_rank(work / "pool-p")
+    result["producer_objects"] = {str(rank): len(objects) for rank, objects in by_rank.items()}
+
+    handoff = {"handoff_wait_s": 60}
+    consumer = Engine(
+        model,
+        pool(work, "pool-d"),
+        prefix_caching=False,
+        tensor_parallel=2,
+        kv_role="kv_consumer",
+        extra=handoff,
+    )
+    consumer.pool = work / "pool-d"
+    waves = [by_rank.get(0, set()), by_rank.get(1, set())]
+    result["decode"] = decode(consumer, prompts, params, copy_from=work / "pool-p", waves=waves)
+    consumer.close()
+    result["decode_objects"] = len(objects_in(work / "pool-d"))
+    return result
+
+
+__all__ = ["MAX_TOKENS", "scenario_handoff", "scenario_handoff_mp", "scenario_handoff_tp2"]

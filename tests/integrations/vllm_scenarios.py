@@ -33,7 +33,7 @@ Scenarios:
 - `pool`: DRAM over a `file://` remote pool, read layer-wise: engine A stores; a fresh
   engine B loads wave by wave; then one object of the shared prefix gets a bad byte in its
   second layer, and a fresh engine C has that chunk's blocks recomputed.
-- `handoff`, `handoff-mp`: prefill/decode disaggregation through a pool
+- `handoff`, `handoff-mp`, `handoff-tp2`: prefill/decode disaggregation through a pool
   (vllm_handoff_scenario.py).
 """
 
@@ -358,7 +358,7 @@ def scenario_mla(model: str, work: Path) -> dict[str, Any]:
 
 def scenario_mla_tp2(model: str, work: Path) -> dict[str, Any]:
     """After `mla` (TP 1) stored its latents in LMDB: TP 2 engines on the same path."""
-    _bind_ranks(2)
+    bind_ranks(2)
     prompts = make_prompts(seed=0)
     result: dict[str, Any] = {}
     engine = Engine(model, None, prefix_caching=False, tensor_parallel=2, logprobs=TOP)
@@ -413,7 +413,7 @@ def scenario_multiprocess(model: str, work: Path) -> dict[str, Any]:
     return {"first": first, "all": rest, "start_seconds": engine.start_seconds}
 
 
-def _bind_ranks(count: int) -> None:
+def bind_ranks(count: int) -> None:
     """Give each CPU worker its own share of this process's CPUs (vLLM's auto binding
     wants one NUMA node per worker)."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -437,7 +437,7 @@ def _layouts_in(path: Path) -> list[dict[str, Any]]:
 
 def _two_workers(model: str, work: Path, **parallel: int) -> dict[str, Any]:
     """Run a baseline, engine A (stores) and a fresh engine B on two CPU workers."""
-    _bind_ranks(2)
+    bind_ranks(2)
     prompts = make_prompts(seed=3)
     result: dict[str, Any] = {"prompts": prompts}
     engine = Engine(model, None, prefix_caching=False, **parallel)
@@ -609,6 +609,7 @@ def main() -> None:
             "pool",
             "handoff",
             "handoff-mp",
+            "handoff-tp2",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -616,7 +617,14 @@ def main() -> None:
     parser.add_argument("--role", choices=["writer", "reader"], default="reader")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if args.scenario not in ("multiprocess", "tp2", "pp2", "mla-tp2", "handoff-mp"):
+    if args.scenario not in (
+        "multiprocess",
+        "tp2",
+        "pp2",
+        "mla-tp2",
+        "handoff-mp",
+        "handoff-tp2",
+    ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -646,6 +654,10 @@ def main() -> None:
         from vllm_handoff_scenario import scenario_handoff_mp
 
         result = scenario_handoff_mp(args.model, args.work)
+    elif args.scenario == "handoff-tp2":
+        from vllm_handoff_scenario import scenario_handoff_tp2
+
+        result = scenario_handoff_tp2(args.model, args.work)
     else:
         result = scenario_multiprocess(args.model, args.work)
     result["seconds"] = time.perf_counter() - started
