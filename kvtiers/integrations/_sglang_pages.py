@@ -54,9 +54,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def layout_of(pool: Any, storage_config: Any, model: str | None = None) -> KVLayout:
     """Return the kvtiers layout of an SGLang host pool's pages.
 
-    The model name, tensor-parallel rank and size, and the pipeline stage go into the
-    layout (so into every key): pages of another model or shard never match. MLA pages are
-    the same on every rank, so they are keyed as rank 0 of 1 and shared by all ranks.
+    The model name, tensor-parallel rank and size, the pipeline stage, the attention
+    context-parallel rank and the decode context-parallel shard go into the layout (so into
+    every key): pages of another model or shard never match. MLA pages are the same on
+    every TP rank (of one DCP shard), so they are keyed as rank 0 of 1 and shared.
 
     Raises:
         ConfigError: a pool kvtiers cannot store (another layout, K and V widths that differ).
@@ -67,6 +68,14 @@ def layout_of(pool: Any, storage_config: Any, model: str | None = None) -> KVLay
         name = f"{name}#pp{storage_config.pp_rank}/{storage_config.pp_size}"
     if getattr(storage_config, "attn_cp_size", 1) > 1:
         name = f"{name}#cp{storage_config.attn_cp_rank}/{storage_config.attn_cp_size}"
+    dcp_size = int(getattr(storage_config, "dcp_size", 1) or 1)
+    if dcp_size > 1:
+        # NOTE: with decode context parallelism (MLA only) each DCP rank holds its own
+        # slice of every logical page, so a shard is keyed by its DCP rank, the DCP size
+        # and the logical page size; the same shard of another DCP group (another TP rank
+        # with this DCP rank) holds the same bytes and shares the keys.
+        logical = getattr(storage_config, "logical_page_size", None)
+        name = f"{name}#dcp{storage_config.dcp_rank}/{dcp_size}/page{logical}"
     num_layers, dtype, page_size = int(pool.layer_num), _dtype_name(pool.dtype), int(pool.page_size)
     if kind == "mla":
         return KVLayout(name, num_layers, 1, int(pool.kv_cache_dim), dtype, page_size, kind="mla")

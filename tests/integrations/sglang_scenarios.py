@@ -81,10 +81,16 @@ def make_host(kind: str, layout: str) -> Any:
     )  # fmt: skip
 
 
-def make_backend(host: Any, tiers: dict[str, Any], *, kind: str, v1: bool = True) -> Any:
-    """Create the kvtiers backend the way SGLang's cache controller does."""
+def make_backend(
+    host: Any, tiers: dict[str, Any], *, kind: str, v1: bool = True, **parallel: int
+) -> Any:
+    """Create the kvtiers backend the way SGLang's cache controller does.
+
+    `parallel` overrides the storage config's ranks and sizes (TP rank 0 of 1 otherwise).
+    """
+    ranks = {"tp_rank": 0, "tp_size": 1, **parallel}
     config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        **ranks, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=kind == "mla", enable_storage_metrics=True,
         is_page_first_layout=host.layout != "layer_first", model_name="tiny/model",
         extra_config={
@@ -412,6 +418,36 @@ def hybrid(workdir: Path) -> dict[str, Any]:
     return out
 
 
+def dcp(workdir: Path) -> dict[str, Any]:
+    """Decode context parallelism on an MLA model: each DCP rank stores its own slice of
+    every page under the same page hashes; each reads back its own, never the other's."""
+    tiers = lmdb_tiers(workdir, remote=True)  # one shared `file://` pool for every rank
+    keys = keys_for(4)
+    shard = {"tp_size": 2, "dcp_size": 2, "logical_page_size": 2 * PAGE}
+    hosts, backends, want = [], [], []
+    for rank in (0, 1):
+        host = make_host("mla", "layer_first")
+        fill_random(host, 11 + rank)  # each rank's slice of the pages differs
+        backend = make_backend(host, tiers, kind="mla", tp_rank=rank, dcp_rank=rank, **shard)
+        backend.batch_set_v1(keys, slots(host, 1, 4))
+        hosts.append(host)
+        backends.append(backend)
+        want.append(page_bytes(host, slots(host, 1, 4), 4))
+    out: dict[str, Any] = {"different_slices": want[0] != want[1]}
+    for rank, (host, backend) in enumerate(zip(hosts, backends, strict=True)):
+        out[f"exists_{rank}"] = backend.batch_exists(keys)
+        out[f"get_{rank}"] = backend.batch_get_v1(keys, slots(host, 30, 4))
+        out[f"own_{rank}"] = page_bytes(host, slots(host, 30, 4), 4) == want[rank]
+    # The same shard in another DCP group (TP 4, rank 2 holds DCP shard 0) reads rank 0's.
+    host = make_host("mla", "layer_first")
+    other = make_backend(host, tiers, kind="mla", tp_rank=2, dcp_rank=0, **{**shard, "tp_size": 4})
+    out["other_group_get"] = other.batch_get_v1(keys, slots(host, 30, 4))
+    out["other_group_is_shard_0"] = page_bytes(host, slots(host, 30, 4), 4) == want[0]
+    for backend in (*backends, other):
+        backend.close()
+    return out
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     name, workdir = sys.argv[1], Path(sys.argv[2])
@@ -430,6 +466,8 @@ def main() -> None:
         result = faults(workdir)
     elif name == "hybrid":
         result = hybrid(workdir)
+    elif name == "dcp":
+        result = dcp(workdir)
     else:
         raise SystemExit(f"unknown scenario {name!r}")
     print("RESULT " + json.dumps(result, default=str))

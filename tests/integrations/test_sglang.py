@@ -99,6 +99,20 @@ def test_failures_are_misses_never_exceptions(sglang_python, tmp_path):
     assert out["get_gone"] == [False] * 4
 
 
+def test_decode_context_parallel_shards_never_read_each_other(sglang_python, tmp_path):
+    """MLA with DCP 2: each rank stores its own slice of every page under the same page
+    hashes into one shared pool, and each reads back its own; the same shard of another
+    DCP group reads rank 0's."""
+    out = run(sglang_python, "dcp", str(tmp_path))
+    assert out["different_slices"]
+    for rank in (0, 1):
+        assert out[f"exists_{rank}"] == 4
+        assert out[f"get_{rank}"] == [True] * 4
+        assert out[f"own_{rank}"], f"DCP rank {rank} read another shard's pages"
+    assert out["other_group_get"] == [True] * 4
+    assert out["other_group_is_shard_0"]
+
+
 def test_hybrid_models_extra_pools_round_trip_and_fold_hits(sglang_python, tmp_path):
     """Mamba states and SWA window pages beside the KV pages, in real SGLang host pools."""
     out = run(sglang_python, "hybrid", str(tmp_path))

@@ -45,6 +45,18 @@ class StorageConfig:
     pp_size: int = 1
     attn_cp_rank: int = 0
     attn_cp_size: int = 1
+    dcp_rank: int = 0
+    dcp_size: int = 1
+    logical_page_size: int | None = None
+
+
+@dataclass
+class StandInMLAPool:
+    layout: str = "layer_first"
+    layer_num: int = 2
+    kv_cache_dim: int = 576
+    page_size: int = 4
+    dtype: torch.dtype = torch.bfloat16
 
 
 def test_layout_carries_model_shard_and_stage():
@@ -52,6 +64,30 @@ def test_layout_carries_model_shard_and_stage():
     assert (layout.tp_rank, layout.tp_size, layout.chunk_size) == (1, 2, 4)
     assert layout.model == "m#pp1/2"
     assert layout_of(StandInMHAPool(), StorageConfig(), model="other").model == "other"
+
+
+def test_decode_context_parallel_shards_of_mla_pages_are_keyed_apart():
+    """With DCP each rank holds its own slice of every page: shards must never share keys
+    (SGLang's own file backend names them apart too); the same shard of another DCP group
+    holds the same bytes and shares them."""
+    pool = StandInMLAPool()
+
+    def shard(tp_rank: int, tp_size: int, dcp_rank: int) -> bytes:
+        config = StorageConfig(
+            tp_rank=tp_rank, tp_size=tp_size, dcp_rank=dcp_rank, dcp_size=2, logical_page_size=8
+        )
+        return layout_of(pool, config).fingerprint
+
+    assert shard(0, 2, 0) != shard(1, 2, 1)
+    assert shard(0, 4, 0) == shard(2, 4, 0)  # DCP groups {0, 1} and {2, 3}: shard 0 of each
+    assert layout_of(pool, StorageConfig(tp_rank=1, tp_size=2)).fingerprint == (
+        layout_of(pool, StorageConfig()).fingerprint  # without DCP: one copy for every rank
+    )
+    wider = StorageConfig(tp_size=2, dcp_size=2, logical_page_size=16)
+    assert layout_of(pool, wider).fingerprint != shard(0, 2, 0)  # other slices of a page
+    assert "#dcp0/2/page8" in layout_of(
+        pool, StorageConfig(tp_size=2, dcp_size=2, logical_page_size=8)
+    ).model
 
 
 def test_page_views_are_payload_order_and_share_memory():
