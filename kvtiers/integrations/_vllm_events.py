@@ -47,7 +47,9 @@ from kvtiers.integrations._vllm_plan import (
     SaveSpec,
     StepPlan,
     tokens_of,
+    tokens_to_bytes,
 )
+from kvtiers.integrations._vllm_prompt import has_items
 
 __all__ = [
     "BlockEvent",
@@ -102,10 +104,12 @@ def block_origin(request: Any, num_tokens: int, block_size: int) -> BlockOrigin:
     """Return vLLM's names of the blocks of `request`'s first `num_tokens`."""
     hashes = getattr(request, "block_hashes", None) or ()
     lora = getattr(request, "lora_request", None)
+    own = tokens_to_bytes(request.all_token_ids[:num_tokens]) if has_items(request) else None
     return BlockOrigin(
         block_hashes=tuple(hashes[: num_tokens // block_size]),
         lora_id=getattr(lora, "adapter_id", None) if lora is not None else None,
         lora_name=getattr(lora, "name", None) if lora is not None else None,
+        token_ids=own,
     )
 
 
@@ -193,6 +197,8 @@ class ChunkOrigins:
         Chunks past the hashes `origin` holds are skipped.
         """
         per, hashes = self._per_chunk, origin.block_hashes
+        if origin.token_ids is not None:  # the prompt's own ids, not the keyed ones
+            tokens = origin.token_ids
         for i, key in enumerate(keys):
             if key in self._entries:
                 self._entries.move_to_end(key)

@@ -174,6 +174,9 @@ class BlockOrigin:
     """vLLM's hash of each full block from the request's first token on, in order."""
     lora_id: int | None = None
     lora_name: str | None = None
+    token_ids: bytes | None = None
+    """The prompt's own token ids (int64 bytes) where they are not the keyed ones (a
+    multimodal prompt's placeholders, see `_vllm_prompt`); `None`: the spec's tokens."""
 
 
 @dataclass(frozen=True, slots=True)

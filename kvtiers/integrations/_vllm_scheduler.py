@@ -27,6 +27,7 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     tokens_to_bytes,
 )
+from kvtiers.integrations._vllm_prompt import key_tokens, keyable
 
 __all__ = ["Lookup", "SchedulerSide", "salt_of"]
 
@@ -133,9 +134,7 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Tracked:
         tracked = self._reqs.get(request.request_id)
         if tracked is None:
-            eligible = not getattr(request, "mm_features", None) and (
-                getattr(request, "prompt_embeds", None) is None
-            )
+            eligible = keyable(request)
             tracked = _Tracked(request=request, salt=salt_of(request), eligible=eligible)
             tracked.awaited = self._announced(request) if eligible else 0
             self._reqs[request.request_id] = tracked
@@ -193,8 +192,7 @@ class SchedulerSide:
             try:
                 if self._lookup is None:
                     self._lookup = self._make_lookup()
-                tokens = np.asarray(tracked.request.all_token_ids[:limit], dtype=np.int64)
-                tracked.future = self._lookup(tokens, tracked.salt)
+                tracked.future = self._lookup(key_tokens(tracked.request, limit), tracked.salt)
             except Exception:
                 logger.exception("kvtiers: starting a lookup failed; served as a miss")
                 self._count("lookup_errors")
@@ -290,7 +288,7 @@ class SchedulerSide:
         end_block = -(-end // self._block)
         spec = LoadSpec(
             req_id=request.request_id,
-            tokens=tokens_to_bytes(request.all_token_ids[:answer]),
+            tokens=tokens_to_bytes(key_tokens(request, answer)),
             salt=tracked.salt,
             block_ids=tuple(block_ids[start // self._block : end_block]),
             start=start,
@@ -332,7 +330,7 @@ class SchedulerSide:
             plan.saves.append(
                 SaveSpec(
                     req_id=req_id,
-                    tokens=tokens_to_bytes(request.all_token_ids[:target]),
+                    tokens=tokens_to_bytes(key_tokens(request, target)),
                     salt=tracked.salt,
                     block_ids=tuple(block_ids[: target // self._block]),
                     origin=self._origin(request, target),
@@ -373,7 +371,7 @@ class SchedulerSide:
         self._plan.saves.append(
             SaveSpec(
                 req_id=request.request_id,
-                tokens=tokens_to_bytes(request.all_token_ids[:target]),
+                tokens=tokens_to_bytes(key_tokens(request, target)),
                 salt=tracked.salt,
                 block_ids=tuple(block_ids[: target // self._block]),
                 finished=True,

@@ -3,7 +3,8 @@
 Run with the vLLM virtualenv's python: `python build_tiny_llama.py OUT_DIR [--layers N
 --hidden H] [--mla]` (2 layers of 256 by default; benchmarks ask for bigger ones). With
 `--mla` the model is a dense DeepSeek-V2 instead (multi-head latent attention, the latent
-of 512 + 64 that vLLM's CPU MLA kernel requires). Deterministic:
+of 512 + 64 that vLLM's CPU MLA kernel requires); with `--blip2`, a tiny BLIP-2 (images in
+the prompt) with its image processor. Deterministic:
 the same seed gives the same weights, so greedy outputs agree across processes.
 """
 
@@ -66,27 +67,102 @@ def _sentences(count: int, seed: int) -> list[str]:
 
 def build(out: Path, layers: int = 2, hidden: int = 256, mla: bool = False) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<s>", "</s>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_sentences(3000, seed=1), trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=_tokenizer(["<s>", "</s>", "<unk>"]),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
     )
     fast.save_pretrained(out)
 
     torch.manual_seed(0)
     model = _deepseek_v2(layers, hidden) if mla else _llama(layers, hidden)
     model.to(torch.bfloat16).save_pretrained(out)
+
+
+def _tokenizer(special_tokens: list[str]) -> Any:
+    """A byte-level BPE tokenizer of `VOCAB_SIZE` ids trained on `_sentences`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_sentences(3000, seed=1), trainer)
+    return tok
+
+
+def build_blip2(out: Path, query_tokens: int = 8) -> None:
+    """A tiny random-weight BLIP-2 (a vision encoder, a Q-Former and a 2-layer OPT) with
+    its processor: each 56x56 image becomes `query_tokens` placeholder tokens."""
+    import torch
+    from transformers import (
+        Blip2Config,
+        Blip2ForConditionalGeneration,
+        Blip2Processor,
+        Blip2QFormerConfig,
+        Blip2VisionConfig,
+        BlipImageProcessor,
+        OPTConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=_tokenizer(["<pad>", "</s>", "<unk>", "<image>"]),
+        bos_token="</s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    text = OPTConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        ffn_dim=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=256,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    vision = Blip2VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=56,
+        patch_size=14,
+    )
+    qformer = Blip2QFormerConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        encoder_hidden_size=64,
+    )
+    config = Blip2Config(
+        vision_config=vision.to_dict(),
+        qformer_config=qformer.to_dict(),
+        text_config=text.to_dict(),
+        num_query_tokens=query_tokens,
+        image_token_index=fast.convert_tokens_to_ids("<image>"),
+    )
+    torch.manual_seed(0)
+    Blip2ForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
+    images = BlipImageProcessor(size={"height": 56, "width": 56})
+    Blip2Processor(
+        image_processor=images, tokenizer=fast, num_query_tokens=query_tokens
+    ).save_pretrained(out)
 
 
 def _llama(layers: int, hidden: int) -> Any:
@@ -140,5 +216,9 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--mla", action="store_true")
+    parser.add_argument("--blip2", action="store_true")
     args = parser.parse_args()
-    build(args.out, args.layers, args.hidden, args.mla)
+    if args.blip2:
+        build_blip2(args.out)
+    else:
+        build(args.out, args.layers, args.hidden, args.mla)

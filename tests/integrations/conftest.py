@@ -163,6 +163,19 @@ def tiny_deepseek(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_blip2(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight BLIP-2 (images in the prompt) with its processor, built offline."""
+    out = tmp_path_factory.mktemp("tiny-blip2")
+    subprocess.run(
+        [str(vllm_python), str(HERE / "build_tiny_llama.py"), str(out), "--blip2"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out
+
+
 def scenario_env() -> dict[str, str]:
     """Return the environment of a scenario subprocess (no stray venv, quiet, 1 GiB KV)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

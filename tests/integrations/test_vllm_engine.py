@@ -190,6 +190,27 @@ def test_tensor_parallel_prefill_and_decode_hand_off_only_once_every_rank_has_it
     assert result["decode_objects"] == 10  # what was copied in; the consumer stored nothing
 
 
+def test_prompts_with_images_are_keyed_by_the_image_and_reused(vllm_python, tiny_blip2, tmp_path):
+    """A tiny BLIP-2: prompts with other images and the same text have the same token ids
+    (the image's placeholders), and kvtiers never serves one image's KV for another; the
+    same image and text prefix is reused, and a fresh engine gets every whole chunk from
+    LMDB and answers exactly as without kvtiers."""
+    result = result_of(start(vllm_python, tiny_blip2, tmp_path, "multimodal"))
+    baseline = tokens(result["baseline"])
+    assert baseline[0] != baseline[1]  # the image changes the answer
+    a = result["engine_a"]
+    assert tokens(a) == baseline
+    assert a[0]["cached"] == 0
+    assert a[1]["cached"] == 0  # the same ids as the first prompt, another image: no hit
+    assert a[2]["cached"] >= PREFIX  # the same image and the start of the same text
+    b = result["engine_b"]
+    assert tokens(b) == baseline
+    assert [o["cached"] for o in b] == [
+        min(n // 64 * 64, n - 1) for n in (o["prompt_tokens"] for o in b)
+    ]
+    assert result["engine_b_tier_hits"]["lmdb"] > 0
+
+
 def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):
     result, work = inprocess
     reader = start(vllm_python, tiny_llama, work, "shared", "--role", "reader")

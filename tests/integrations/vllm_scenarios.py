@@ -35,6 +35,7 @@ Scenarios:
   second layer, and a fresh engine C has that chunk's blocks recomputed.
 - `handoff`, `handoff-mp`, `handoff-tp2`: prefill/decode disaggregation through a pool
   (vllm_handoff_scenario.py).
+- `multimodal`: prompts with images on a tiny BLIP-2 (vllm_multimodal_scenario.py).
 """
 
 from __future__ import annotations
@@ -166,20 +167,23 @@ class Engine:
             connector.get_kv_connector_stats = recording
 
     def generate(
-        self, prompts: list[list[int]], kv_transfer_params: list[Any] | None = None
+        self, prompts: list[Any], kv_transfer_params: list[Any] | None = None
     ) -> list[dict[str, Any]]:
+        """Answer `prompts`: token id lists, or vLLM prompt dicts (text and images)."""
         params: Any = self.params
         if kv_transfer_params is not None:  # per prompt, as a disaggregated-serving proxy sends
             params = [self.params.clone() for _ in prompts]
             for one, transfer in zip(params, kv_transfer_params, strict=True):
                 one.extra_args = {"kv_transfer_params": transfer}
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        inputs = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(inputs, params)
         results = []
         for o in outputs:
             result = {
                 "tokens": list(o.outputs[0].token_ids),
                 "cached": o.num_cached_tokens,
                 "kv_transfer_params": o.kv_transfer_params,
+                "prompt_tokens": len(o.prompt_token_ids or ()),
             }
             if o.outputs[0].logprobs:  # the first output token's top candidates
                 first = o.outputs[0].logprobs[0]
@@ -610,6 +614,7 @@ def main() -> None:
             "handoff",
             "handoff-mp",
             "handoff-tp2",
+            "multimodal",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -654,6 +659,10 @@ def main() -> None:
         from vllm_handoff_scenario import scenario_handoff_mp
 
         result = scenario_handoff_mp(args.model, args.work)
+    elif args.scenario == "multimodal":
+        from vllm_multimodal_scenario import scenario_multimodal
+
+        result = scenario_multimodal(args.model, args.work)
     elif args.scenario == "handoff-tp2":
         from vllm_handoff_scenario import scenario_handoff_tp2
 

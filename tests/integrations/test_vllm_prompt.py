@@ -1,0 +1,133 @@
+"""The ids kvtiers keys a vLLM request by: text as it is, multimodal items by their hash.
+
+Requests are stand-ins with the fields vLLM's `Request` has (`all_token_ids`,
+`mm_features` of `MultiModalFeatureSpec`s with an `identifier` and a `mm_position`);
+the real engine runs a multimodal model in `test_vllm_engine.py`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvtiers.core.keys import ChunkHasher
+from kvtiers.integrations._vllm_events import ChunkOrigins, block_origin
+from kvtiers.integrations._vllm_plan import ConnectorSettings, tokens_of, tokens_to_bytes
+from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable
+from kvtiers.integrations._vllm_scheduler import SchedulerSide
+
+BLOCK, CHUNK = 16, 64
+IMAGE_TOKEN = 7
+
+
+def item(identifier: str | None, offset: int, length: int) -> SimpleNamespace:
+    place = SimpleNamespace(offset=offset, length=length)
+    return SimpleNamespace(identifier=identifier, mm_position=place, modality="image")
+
+
+def request(*items: SimpleNamespace, num_tokens: int = 300, req_id: str = "r1") -> SimpleNamespace:
+    tokens = list(range(100, 100 + num_tokens))
+    for it in items:  # the placeholders: one id repeated, whatever the image
+        start, end = it.mm_position.offset, it.mm_position.offset + it.mm_position.length
+        tokens[start:end] = [IMAGE_TOKEN] * (end - start)
+    return SimpleNamespace(
+        request_id=req_id,
+        all_token_ids=tokens,
+        num_tokens=num_tokens,
+        num_prompt_tokens=num_tokens,
+        num_computed_tokens=0,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=list(items),
+        prompt_embeds=None,
+        block_hashes=[bytes([i]) * 32 for i in range(num_tokens // BLOCK)],
+    )
+
+
+def chunk_keys(tokens: np.ndarray) -> list[bytes]:
+    return [bytes(k) for k in ChunkHasher(b"layout", CHUNK).keys(tokens)]
+
+
+def test_a_text_prompt_is_keyed_by_its_own_tokens():
+    r = request()
+    assert key_tokens(r, 256).tolist() == r.all_token_ids[:256]
+    assert not has_items(r) and keyable(r)
+
+
+def test_placeholders_are_keyed_by_the_item_so_two_images_never_share_a_chunk():
+    cat, dog = request(item("cat", 70, 40)), request(item("dog", 70, 40))
+    assert cat.all_token_ids == dog.all_token_ids  # the token ids alone cannot tell them apart
+    cat_ids, dog_ids = key_tokens(cat, 256), key_tokens(dog, 256)
+    assert cat_ids[:70].tolist() == cat.all_token_ids[:70]  # text before it: as it is
+    assert cat_ids[110:].tolist() == cat.all_token_ids[110:256]  # and after it
+    placeholders = cat_ids[70:110]
+    assert (placeholders >= 2**62).all() and len(set(placeholders.tolist())) == 40
+    assert not np.array_equal(placeholders, dog_ids[70:110])
+    cat_keys, dog_keys = chunk_keys(cat_ids), chunk_keys(dog_ids)
+    assert cat_keys[0] == dog_keys[0]  # the chunk before the image is shared
+    assert all(c != d for c, d in zip(cat_keys[1:], dog_keys[1:], strict=True))
+    # the same image in the same place: the same keys, in any process
+    assert chunk_keys(key_tokens(request(item("cat", 70, 40)), 256)) == cat_keys
+    # the same image elsewhere: other keys from where the prompts differ
+    assert chunk_keys(key_tokens(request(item("cat", 72, 40)), 256))[1:] != cat_keys[1:]
+
+
+def test_an_item_cut_by_the_limit_is_keyed_up_to_it_and_items_past_it_are_ignored():
+    r = request(item("cat", 230, 40), item("dog", 280, 10))
+    ids = key_tokens(r, 256)
+    assert len(ids) == 256
+    assert np.array_equal(ids[230:], key_tokens(r, 300)[230:256])
+    assert (ids[230:] >= 2**62).all() and ids[:230].tolist() == r.all_token_ids[:230]
+
+
+def test_requests_that_cannot_be_keyed_are_refused():
+    assert keyable(request(item("cat", 0, 16)))
+    assert not keyable(request(item(None, 0, 16)))  # an item that does not name itself
+    assert not keyable(request(item("", 0, 16)))
+    assert not keyable(request(item("cat", -1, 16)))
+    assert not keyable(SimpleNamespace(mm_features=["image"], prompt_embeds=None))
+    assert not keyable(SimpleNamespace(mm_features=[], prompt_embeds=object()))
+
+
+class Lookup:
+    def __init__(self, hit: int) -> None:
+        self.hit, self.asked = hit, []
+
+    def __call__(self, tokens, salt):
+        self.asked.append(tokens.tolist())
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        future.set_result(self.hit)
+        return future
+
+
+def test_the_scheduler_looks_up_loads_and_saves_a_multimodal_prompt_by_its_keyed_ids():
+    lookup = Lookup(hit=128)
+    settings = ConnectorSettings(lookup_wait_ms=0)
+    s = SchedulerSide(settings, BLOCK, CHUNK, lambda: lookup, kv_events=True)
+    r = request(item("cat", 70, 40), num_tokens=300)
+    keyed = key_tokens(r, 256).tolist()
+    assert s.get_num_new_matched_tokens(r, 0) == (128, False)
+    assert lookup.asked == [keyed]
+    s.update_state_after_alloc(r, list(range(19)), 128)
+    r.num_computed_tokens = 128
+    plan = s.build_plan({"r1": 172}, lambda _: list(range(19)))
+    (load,) = plan.loads
+    (save,) = plan.saves
+    assert tokens_of(load.tokens).tolist() == keyed[:128]
+    assert tokens_of(save.tokens).tolist() == keyed
+    # vLLM's events name the chunks with the prompt's own token ids
+    assert save.origin is not None
+    assert save.origin.token_ids == tokens_to_bytes(r.all_token_ids[:256])
+
+
+def test_events_carry_the_prompt_own_token_ids_not_the_keyed_ones():
+    r = request(item("cat", 0, 40), num_tokens=128)
+    origin = block_origin(r, 128, BLOCK)
+    origins = ChunkOrigins(max_chunks=4, block_size=BLOCK, chunk_size=CHUNK)
+    origins.record([b"k0", b"k1"], tokens_to_bytes(key_tokens(r, 128)), origin)
+    first = origins.get(b"k0")
+    assert first is not None
+    assert tokens_of(first.token_ids).tolist() == r.all_token_ids[:CHUNK]
+    assert block_origin(request(), 128, BLOCK).token_ids is None  # text: the spec's tokens
