@@ -137,43 +137,36 @@ def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _venv_or_skip(SGLANG_VENV, SGLANG_PIN, _build_sglang, log)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama with a tokenizer, built offline."""
-    out = tmp_path_factory.mktemp("tiny-llama")
+def _tiny_model(
+    python: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str
+) -> Path:
+    """Build a tiny random-weight model (`build_tiny_llama.py`) into a fresh folder."""
+    out = tmp_path_factory.mktemp(name)
     subprocess.run(
-        [str(vllm_python), str(HERE / "build_tiny_llama.py"), str(out)],
+        [str(python), str(HERE / "build_tiny_llama.py"), str(out), *flags],
         check=True,
         capture_output=True,
         timeout=300,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama with a tokenizer, built offline."""
+    return _tiny_model(vllm_python, tmp_path_factory, "tiny-llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight dense DeepSeek-V2 (MLA) with a tokenizer, built offline."""
-    out = tmp_path_factory.mktemp("tiny-deepseek")
-    subprocess.run(
-        [str(vllm_python), str(HERE / "build_tiny_llama.py"), str(out), "--mla"],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return out
+    return _tiny_model(vllm_python, tmp_path_factory, "tiny-deepseek", "--mla")
 
 
 @pytest.fixture(scope="session")
 def tiny_blip2(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight BLIP-2 (images in the prompt) with its processor, built offline."""
-    out = tmp_path_factory.mktemp("tiny-blip2")
-    subprocess.run(
-        [str(vllm_python), str(HERE / "build_tiny_llama.py"), str(out), "--blip2"],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return out
+    return _tiny_model(vllm_python, tmp_path_factory, "tiny-blip2", "--blip2")
 
 
 def scenario_env() -> dict[str, str]:

@@ -17,6 +17,7 @@ from kvtiers.integrations._vllm_events import ChunkOrigins, block_origin
 from kvtiers.integrations._vllm_plan import ConnectorSettings, tokens_of, tokens_to_bytes
 from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable
 from kvtiers.integrations._vllm_scheduler import SchedulerSide
+from tests.integrations.test_vllm_scheduler import request as text_request
 
 BLOCK, CHUNK = 16, 64
 IMAGE_TOKEN = 7
@@ -28,22 +29,12 @@ def item(identifier: str | None, offset: int, length: int) -> SimpleNamespace:
 
 
 def request(*items: SimpleNamespace, num_tokens: int = 300, req_id: str = "r1") -> SimpleNamespace:
-    tokens = list(range(100, 100 + num_tokens))
+    hashes = [bytes([i]) * 32 for i in range(num_tokens // BLOCK)]
+    r = text_request(req_id, num_tokens, mm_features=list(items), block_hashes=hashes)
     for it in items:  # the placeholders: one id repeated, whatever the image
         start, end = it.mm_position.offset, it.mm_position.offset + it.mm_position.length
-        tokens[start:end] = [IMAGE_TOKEN] * (end - start)
-    return SimpleNamespace(
-        request_id=req_id,
-        all_token_ids=tokens,
-        num_tokens=num_tokens,
-        num_prompt_tokens=num_tokens,
-        num_computed_tokens=0,
-        cache_salt=None,
-        lora_request=None,
-        mm_features=list(items),
-        prompt_embeds=None,
-        block_hashes=[bytes([i]) * 32 for i in range(num_tokens // BLOCK)],
-    )
+        r.all_token_ids[start:end] = [IMAGE_TOKEN] * (end - start)
+    return r
 
 
 def chunk_keys(tokens: np.ndarray) -> list[bytes]:
