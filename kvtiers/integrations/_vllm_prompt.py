@@ -4,9 +4,16 @@ A text prompt's KV depends on its token ids alone, so they are the key. A multim
 prompt's placeholder tokens (one id repeated, the same for every image) get their KV from
 the item they stand for (an image, an audio clip): those positions are keyed by ids
 derived from vLLM's hash of the item (`MultiModalFeatureSpec.identifier`, a hash of its
-content, or the caller's `multi_modal_uuids`). Two images in one place never share a
-chunk, and the same image in the same place always does, across engines and restarts.
-Every chunk from the item's first placeholder on differs (the keys are chained).
+content, or the caller's `multi_modal_uuids`), its modality, its number of placeholders
+and the placeholders' own ids (as vLLM's prefix cache, which hashes the token ids and the
+identifier). Two images in one place never share a chunk, and the same image in the same
+place always does, across engines and restarts. Every chunk from the item's first
+placeholder on differs (the keys are chained).
+
+With both its processor cache and its prefix cache off, vLLM skips hashing and names an
+item after its request's number (`renderer<rank>-mm-<n>-<modality>-<i>`): the n-th
+request of every engine process has the same names, whatever its images. Such items are
+not keyed.
 
 The derived ids lie in `[2**62, 2**63)`, above any vocabulary, so they never equal a
 real token's id. Only the keys use them: the KV events keep the prompt's own token ids.
@@ -14,6 +21,7 @@ real token's id. Only the keys use them: the KV events keep the prompt's own tok
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -25,6 +33,10 @@ __all__ = ["has_items", "key_tokens", "keyable"]
 _BASE = np.uint64(1 << 62)
 _MASK = np.uint64((1 << 62) - 1)
 _STEP = np.uint64(0x9E3779B97F4A7C15)  # odd: consecutive positions get distinct ids
+_MIX = np.uint64(0xBF58476D1CE4E5B9)  # odd: distinct token ids stay distinct
+# vLLM's name for an item it did not hash (`BaseRenderer._process_mm_uuids`), after a LoRA
+# adapter's name when the adapter covers the vision tower.
+_PER_REQUEST = re.compile(r"(?:^|:)renderer\d+-mm-\d+-")
 
 
 def has_items(request: Any) -> bool:
@@ -36,13 +48,17 @@ def keyable(request: Any) -> bool:
     """Return whether kvtiers can key `request`'s KV.
 
     Prompt embeddings have no token ids to key by; a multimodal item must name itself
-    (an identifier) and its place in the prompt.
+    (an identifier vLLM hashed from it, or the caller's uuid, not a per-request name) and
+    its place in the prompt.
     """
     if getattr(request, "prompt_embeds", None) is not None:
         return False
     for item in getattr(request, "mm_features", None) or ():
         place = getattr(item, "mm_position", None)
-        if not getattr(item, "identifier", None) or place is None:
+        identifier = getattr(item, "identifier", None)
+        if not identifier or place is None:
+            return False
+        if isinstance(identifier, str) and _PER_REQUEST.search(identifier):
             return False
         if not isinstance(place.offset, int) or not isinstance(place.length, int):
             return False
@@ -59,9 +75,13 @@ def key_tokens(request: Any, limit: int) -> npt.NDArray[np.int64]:
         end = min(start + item.mm_position.length, len(tokens))
         if start >= end:
             continue
-        seed = np.uint64(xxhash.xxh3_64_intdigest(str(item.identifier).encode()))
+        # NOTE: vLLM keeps a caller's uuid as the identifier whatever the modality, and
+        # engines with other processor settings give one image other placeholders.
+        name = f"{getattr(item, 'modality', '')}\x1f{item.mm_position.length}\x1f{item.identifier}"
+        seed = np.uint64(xxhash.xxh3_64_intdigest(name.encode()))
         steps = np.arange(end - start, dtype=np.uint64) * _STEP
+        own = tokens[start:end].astype(np.uint64)
         with np.errstate(over="ignore"):  # arithmetic modulo 2**64, by design
-            ids = ((steps + seed) & _MASK) | _BASE
+            ids = (((steps + seed) ^ (own * _MIX)) & _MASK) | _BASE
         tokens[start:end] = ids.astype(np.int64)
     return tokens
