@@ -11,9 +11,10 @@ place always does, across engines and restarts. Every chunk from the item's firs
 placeholder on differs (the keys are chained).
 
 With both its processor cache and its prefix cache off, vLLM skips hashing and names an
-item after its request's number (`renderer<rank>-mm-<n>-<modality>-<i>`): the n-th
-request of every engine process has the same names, whatever its images. Such items are
-not keyed.
+item after its request's number (`renderer<rank>-mm-<n>-<modality>-<i>`, hashed again with
+the request's `mm_processor_kwargs` if it has any): the n-th request of every engine
+process has the same names, whatever its images. In that configuration no item is keyed
+(`items_hashed`), and names of that form are refused in any case.
 
 The derived ids lie in `[2**62, 2**63)`, above any vocabulary, so they never equal a
 real token's id. Only the keys use them: the KV events keep the prompt's own token ids.
@@ -28,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["has_items", "key_tokens", "keyable"]
+__all__ = ["has_items", "items_hashed", "key_tokens", "keyable"]
 
 _BASE = np.uint64(1 << 62)
 _MASK = np.uint64((1 << 62) - 1)
@@ -37,6 +38,20 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)  # odd: distinct token ids stay distinct
 # vLLM's name for an item it did not hash (`BaseRenderer._process_mm_uuids`), after a LoRA
 # adapter's name when the adapter covers the vision tower.
 _PER_REQUEST = re.compile(r"(?:^|:)renderer\d+-mm-\d+-")
+
+
+def items_hashed(vllm_config: Any) -> bool:
+    """Return whether the engine of `vllm_config` names multimodal items by their content.
+
+    vLLM skips hashing an item (and names it per request) when its multimodal processor
+    cache (`mm_processor_cache_gb = 0`) and its prefix cache are both off.
+    """
+    multimodal = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+    if multimodal is None:
+        return True
+    cache = getattr(vllm_config, "cache_config", None)
+    no_processor_cache = getattr(multimodal, "mm_processor_cache_gb", None) == 0
+    return not (no_processor_cache and not getattr(cache, "enable_prefix_caching", False))
 
 
 def has_items(request: Any) -> bool:

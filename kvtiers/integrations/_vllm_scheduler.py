@@ -27,7 +27,7 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     tokens_to_bytes,
 )
-from kvtiers.integrations._vllm_prompt import key_tokens, keyable
+from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable
 
 __all__ = ["Lookup", "SchedulerSide", "salt_of"]
 
@@ -60,7 +60,8 @@ class _Tracked:
     request: Any
     salt: Salt
     eligible: bool
-    """False for requests kvtiers cannot key (multimodal inputs, prompt embeddings)."""
+    """False for requests kvtiers cannot key (prompt embeddings, multimodal items not
+    named by their content: `_vllm_prompt.keyable`)."""
     answer: int | None = None
     """Cached prefix length from the last finished lookup, until it is used."""
     future: concurrent.futures.Future[int] | None = None
@@ -89,6 +90,8 @@ class SchedulerSide:
         kv_events: send vLLM's block hashes with each load and save, for the workers'
             KV events.
         role: what the engine's `kv_role` lets the connector do (`kv_both` by default).
+        multimodal: whether the engine names multimodal items by their content
+            (`_vllm_prompt.items_hashed`); if not, requests with items are not keyed.
     """
 
     def __init__(
@@ -101,9 +104,11 @@ class SchedulerSide:
         kv_events: bool = False,
         *,
         role: Role | None = None,
+        multimodal: bool = True,
     ) -> None:
         self._settings = settings
         self._block = block_size
+        self._multimodal = multimodal
         self._chunk = chunk_size
         self._make_lookup = lookup
         self._lookup: Lookup | None = None
@@ -134,7 +139,7 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Tracked:
         tracked = self._reqs.get(request.request_id)
         if tracked is None:
-            eligible = keyable(request)
+            eligible = keyable(request) and (self._multimodal or not has_items(request))
             tracked = _Tracked(request=request, salt=salt_of(request), eligible=eligible)
             tracked.awaited = self._announced(request) if eligible else 0
             self._reqs[request.request_id] = tracked

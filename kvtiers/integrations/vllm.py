@@ -48,6 +48,7 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     chunk_size_for,
 )
+from kvtiers.integrations._vllm_prompt import items_hashed
 from kvtiers.integrations._vllm_scheduler import Lookup, SchedulerSide
 from kvtiers.integrations._vllm_topology import Topology
 from kvtiers.integrations._vllm_worker import WorkerSide
@@ -97,6 +98,13 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._parts: dict[str, Any] = {}
         if role == KVConnectorRole.SCHEDULER:
             kv_events = kv_events_on(vllm_config, self._settings)
+            multimodal = items_hashed(vllm_config)
+            if not multimodal:
+                logger.warning(
+                    "kvtiers: with mm_processor_cache_gb = 0 and prefix caching off, vLLM "
+                    "names images per request, not by their content; prompts with images "
+                    "are served without kvtiers"
+                )
             self._scheduler = SchedulerSide(
                 self._settings,
                 self._block_size,
@@ -104,6 +112,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._make_lookup,
                 kv_events=kv_events,
                 role=self._role,
+                multimodal=multimodal,
             )
             if kv_events:
                 self._quorum = EventQuorum(self._topology.num_ranks, self._settings.event_chunks)

@@ -15,7 +15,7 @@ import numpy as np
 from kvtiers.core.keys import ChunkHasher
 from kvtiers.integrations._vllm_events import ChunkOrigins, block_origin
 from kvtiers.integrations._vllm_plan import ConnectorSettings, tokens_of, tokens_to_bytes
-from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable
+from kvtiers.integrations._vllm_prompt import has_items, items_hashed, key_tokens, keyable
 from kvtiers.integrations._vllm_scheduler import SchedulerSide
 from tests.integrations.test_vllm_scheduler import request as text_request
 
@@ -122,3 +122,32 @@ def test_events_carry_the_prompt_own_token_ids_not_the_keyed_ones():
     assert first is not None
     assert tokens_of(first.token_ids).tolist() == r.all_token_ids[:CHUNK]
     assert block_origin(request(), 128, BLOCK).token_ids is None  # text: the spec's tokens
+
+
+def config(*, processor_cache_gb: float | None, prefix_caching: bool) -> SimpleNamespace:
+    multimodal = (
+        None
+        if processor_cache_gb is None
+        else SimpleNamespace(mm_processor_cache_gb=processor_cache_gb)
+    )
+    return SimpleNamespace(
+        model_config=SimpleNamespace(multimodal_config=multimodal),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+    )
+
+
+def test_an_engine_that_names_items_per_request_keys_no_item():
+    """vLLM skips hashing items with its processor cache and its prefix cache both off
+    (then even a hashed-looking name can be per request): no request with items is keyed
+    there, and text requests still are."""
+    assert not items_hashed(config(processor_cache_gb=0, prefix_caching=False))
+    assert items_hashed(config(processor_cache_gb=0, prefix_caching=True))
+    assert items_hashed(config(processor_cache_gb=4, prefix_caching=False))
+    assert items_hashed(config(processor_cache_gb=None, prefix_caching=False))  # text model
+    lookup = Lookup(hit=128)
+    settings = ConnectorSettings(lookup_wait_ms=0)
+    s = SchedulerSide(settings, BLOCK, CHUNK, lambda: lookup, multimodal=False)
+    hashed_looking = item("9f" * 32, 70, 40)
+    assert s.get_num_new_matched_tokens(request(hashed_looking), 0) == (0, False)
+    assert lookup.asked == []
+    assert s.get_num_new_matched_tokens(request(req_id="text"), 0) == (128, False)

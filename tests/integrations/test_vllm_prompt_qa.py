@@ -506,7 +506,9 @@ def test_vllm_names_items_per_request_with_both_its_caches_off(vllm_python, tiny
     assert off["identifiers"][0] != off["identifiers"][1]  # one image, two names
     assert all(i.startswith("renderer0-mm-") for i in off["identifiers"])
     assert off["keyable"] == [False, False]
+    assert off["items_hashed"] is False  # so the connector keys no item in this engine
     assert off["offsets_are_int"]
     on = run_real(vllm_python, "identifiers", str(tiny_blip2), "--cache-gb", "4")
     assert on["identifiers"][0] == on["identifiers"][1]
     assert on["keyable"] == [True, True]
+    assert on["items_hashed"] is True

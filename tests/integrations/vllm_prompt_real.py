@@ -107,7 +107,7 @@ def identifiers(model: str, cache_gb: float) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvtiers.integrations._vllm_prompt import keyable
+    from kvtiers.integrations._vllm_prompt import items_hashed, keyable
 
     seen: list[Any] = []
     add_request = Scheduler.add_request
@@ -133,6 +133,7 @@ def identifiers(model: str, cache_gb: float) -> dict[str, Any]:
         llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     features = [f for r in seen for f in r.mm_features]
     return {
+        "items_hashed": items_hashed(llm.llm_engine.vllm_config),
         "identifiers": [f.identifier for f in features],
         "keyable": [keyable(r) for r in seen],
         "offsets_are_int": all(
