@@ -85,9 +85,10 @@ def test_decode_context_parallel_shards_of_mla_pages_are_keyed_apart():
     )
     wider = StorageConfig(tp_size=2, dcp_size=2, logical_page_size=16)
     assert layout_of(pool, wider).fingerprint != shard(0, 2, 0)  # other slices of a page
-    assert "#dcp0/2/page8" in layout_of(
-        pool, StorageConfig(tp_size=2, dcp_size=2, logical_page_size=8)
-    ).model
+    assert (
+        "#dcp0/2/page8"
+        in layout_of(pool, StorageConfig(tp_size=2, dcp_size=2, logical_page_size=8)).model
+    )
 
 
 def test_page_views_are_payload_order_and_share_memory():
