@@ -49,7 +49,7 @@ from kvtiers.integrations._vllm_plan import (
     tokens_of,
     tokens_to_bytes,
 )
-from kvtiers.integrations._vllm_prompt import has_items
+from kvtiers.integrations._vllm_prompt import rekeyed
 
 __all__ = [
     "BlockEvent",
@@ -104,7 +104,7 @@ def block_origin(request: Any, num_tokens: int, block_size: int) -> BlockOrigin:
     """Return vLLM's names of the blocks of `request`'s first `num_tokens`."""
     hashes = getattr(request, "block_hashes", None) or ()
     lora = getattr(request, "lora_request", None)
-    own = tokens_to_bytes(request.all_token_ids[:num_tokens]) if has_items(request) else None
+    own = tokens_to_bytes(request.all_token_ids[:num_tokens]) if rekeyed(request) else None
     return BlockOrigin(
         block_hashes=tuple(hashes[: num_tokens // block_size]),
         lora_id=getattr(lora, "adapter_id", None) if lora is not None else None,

@@ -16,6 +16,12 @@ the request's `mm_processor_kwargs` if it has any): the n-th request of every en
 process has the same names, whatever its images. In that configuration no item is keyed
 (`items_hashed`), and names of that form are refused in any case.
 
+A prompt given as embeddings (`prompt_embeds`, no token ids: vLLM holds zeros in their
+place) is keyed the same way, by ids derived from the embeddings themselves: each group of
+`EMBED_ROWS` rows is hashed (with the tensor's dtype and width), and its positions get ids
+from that hash. Another embedding anywhere in a group changes every key from that group on.
+A prompt mixing token ids and embeddings (`prompt_is_token_ids`) is not keyed.
+
 The derived ids lie in `[2**62, 2**63)`, above any vocabulary, so they never equal a
 real token's id. Only the keys use them: the KV events keep the prompt's own token ids.
 """
@@ -29,7 +35,10 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["has_items", "items_hashed", "key_tokens", "keyable"]
+__all__ = ["EMBED_ROWS", "has_items", "items_hashed", "key_tokens", "keyable", "rekeyed"]
+
+EMBED_ROWS = 16
+"""Rows of a prompt's embeddings hashed together (one hash call per group)."""
 
 _BASE = np.uint64(1 << 62)
 _MASK = np.uint64((1 << 62) - 1)
@@ -59,15 +68,25 @@ def has_items(request: Any) -> bool:
     return bool(getattr(request, "mm_features", None))
 
 
+def rekeyed(request: Any) -> bool:
+    """Return whether `request` is keyed by other ids than its own (items, embeddings)."""
+    return has_items(request) or getattr(request, "prompt_embeds", None) is not None
+
+
 def keyable(request: Any) -> bool:
     """Return whether kvtiers can key `request`'s KV.
 
-    Prompt embeddings have no token ids to key by; a multimodal item must name itself
-    (an identifier vLLM hashed from it, or the caller's uuid, not a per-request name) and
-    its place in the prompt.
+    Prompt embeddings must be the whole prompt, one row per token; a multimodal item must
+    name itself (an identifier vLLM hashed from it, or the caller's uuid, not a per-request
+    name) and its place in the prompt.
     """
-    if getattr(request, "prompt_embeds", None) is not None:
-        return False
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        if getattr(request, "prompt_is_token_ids", None) is not None:
+            return False  # token ids and embeddings mixed
+        shape = tuple(getattr(embeds, "shape", ()))
+        if len(shape) != 2 or shape[0] != getattr(request, "num_prompt_tokens", None):
+            return False
     for item in getattr(request, "mm_features", None) or ():
         place = getattr(item, "mm_position", None)
         identifier = getattr(item, "identifier", None)
@@ -85,6 +104,10 @@ def keyable(request: Any) -> bool:
 def key_tokens(request: Any, limit: int) -> npt.NDArray[np.int64]:
     """Return the ids that key `request`'s first `limit` tokens (see the module doc)."""
     tokens = np.array(request.all_token_ids[:limit], dtype=np.int64)
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None:
+        rows = min(len(tokens), int(embeds.shape[0]))
+        tokens[:rows] = _embedding_ids(embeds, rows)
     for item in getattr(request, "mm_features", None) or ():
         start = item.mm_position.offset
         end = min(start + item.mm_position.length, len(tokens))
@@ -100,3 +123,21 @@ def key_tokens(request: Any, limit: int) -> npt.NDArray[np.int64]:
             ids = (((steps + seed) ^ (own * _MIX)) & _MASK) | _BASE
         tokens[start:end] = ids.astype(np.int64)
     return tokens
+
+
+def _embedding_ids(embeds: Any, rows: int) -> npt.NDArray[np.int64]:
+    """Return the ids of the first `rows` rows of `embeds` (a 2-D tensor, see the module doc)."""
+    import torch
+
+    data = embeds.detach().to("cpu").contiguous()
+    seed = xxhash.xxh3_64_intdigest(f"embeds\x1f{data.dtype}\x1f{data.shape[1]}".encode())
+    out = np.empty(rows, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64, by design
+        for start in range(0, rows, EMBED_ROWS):
+            group = data[start : start + EMBED_ROWS]  # whole groups: ids never depend on `rows`
+            raw = group.view(torch.uint8).numpy()
+            digest = np.uint64(xxhash.xxh3_64_intdigest(raw, seed=seed))
+            count = min(EMBED_ROWS, rows - start)
+            steps = np.arange(count, dtype=np.uint64) * _STEP
+            out[start : start + count] = ((steps + digest) & _MASK) | _BASE
+    return out.astype(np.int64)

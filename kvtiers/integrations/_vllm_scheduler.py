@@ -27,7 +27,7 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     tokens_to_bytes,
 )
-from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable
+from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable, rekeyed
 
 __all__ = ["Lookup", "SchedulerSide", "salt_of"]
 
@@ -62,6 +62,8 @@ class _Tracked:
     eligible: bool
     """False for requests kvtiers cannot key (prompt embeddings, multimodal items not
     named by their content: `_vllm_prompt.keyable`)."""
+    keyed: npt.NDArray[np.int64] | None = None
+    """The ids that key the prompt (`_vllm_prompt.key_tokens`), made once."""
     answer: int | None = None
     """Cached prefix length from the last finished lookup, until it is used."""
     future: concurrent.futures.Future[int] | None = None
@@ -192,12 +194,28 @@ class SchedulerSide:
             tracked.cached = max(tracked.cached, hit)
         return max(0, min(tracked.answer, limit) - num_computed_tokens), False
 
+    def _keyed(self, tracked: _Tracked, limit: int) -> npt.NDArray[np.int64]:
+        """Return the ids that key the first `limit` tokens of `tracked`'s request.
+
+        The prompt's are made once (hashing embeddings costs milliseconds for long
+        prompts); generated tokens past the prompt are keyed by their own ids.
+        """
+        request = tracked.request
+        if not rekeyed(request):
+            return np.asarray(request.all_token_ids[:limit], dtype=np.int64)
+        if tracked.keyed is None:
+            tracked.keyed = key_tokens(request, request.num_prompt_tokens)
+        if limit <= len(tracked.keyed):
+            return tracked.keyed[:limit]
+        rest = np.asarray(request.all_token_ids[len(tracked.keyed) : limit], dtype=np.int64)
+        return np.concatenate([tracked.keyed, rest])
+
     def _await_lookup(self, tracked: _Tracked, limit: int) -> int | None:
         if tracked.future is None:
             try:
                 if self._lookup is None:
                     self._lookup = self._make_lookup()
-                tracked.future = self._lookup(key_tokens(tracked.request, limit), tracked.salt)
+                tracked.future = self._lookup(self._keyed(tracked, limit), tracked.salt)
             except Exception:
                 logger.exception("kvtiers: starting a lookup failed; served as a miss")
                 self._count("lookup_errors")
@@ -293,7 +311,7 @@ class SchedulerSide:
         end_block = -(-end // self._block)
         spec = LoadSpec(
             req_id=request.request_id,
-            tokens=tokens_to_bytes(key_tokens(request, answer)),
+            tokens=tokens_to_bytes(self._keyed(tracked, answer)),
             salt=tracked.salt,
             block_ids=tuple(block_ids[start // self._block : end_block]),
             start=start,
@@ -335,7 +353,7 @@ class SchedulerSide:
             plan.saves.append(
                 SaveSpec(
                     req_id=req_id,
-                    tokens=tokens_to_bytes(key_tokens(request, target)),
+                    tokens=tokens_to_bytes(self._keyed(tracked, target)),
                     salt=tracked.salt,
                     block_ids=tuple(block_ids[: target // self._block]),
                     origin=self._origin(request, target),
@@ -376,7 +394,7 @@ class SchedulerSide:
         self._plan.saves.append(
             SaveSpec(
                 req_id=request.request_id,
-                tokens=tokens_to_bytes(key_tokens(request, target)),
+                tokens=tokens_to_bytes(self._keyed(tracked, target)),
                 salt=tracked.salt,
                 block_ids=tuple(block_ids[: target // self._block]),
                 finished=True,

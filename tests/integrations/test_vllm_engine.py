@@ -211,6 +211,31 @@ def test_prompts_with_images_are_keyed_by_the_image_and_reused(vllm_python, tiny
     assert result["engine_b_tier_hits"]["lmdb"] > 0
 
 
+def test_prompts_given_as_embeddings_are_keyed_by_them_and_reused(
+    vllm_python, tiny_llama, tmp_path
+):
+    """Prompts given as embeddings (the model's own, so the answers equal the token
+    prompts'): the later ones reuse the shared prefix, other embeddings of the same length
+    (vLLM holds the same zeros for their token ids) get nothing, and a fresh engine loads
+    every whole chunk from LMDB; every answer equals an engine without kvtiers."""
+    result = result_of(start(vllm_python, tiny_llama, tmp_path, "embeds"))
+    baseline = tokens(result["baseline"])
+    assert tokens(result["baseline_embeds"]) == baseline
+    assert tokens(result["baseline_others"]) != baseline[:1]  # other inputs, other answer
+    a = result["engine_a"]
+    assert tokens(a) == baseline
+    assert a[0]["cached"] == 0 and all(o["cached"] >= PREFIX for o in a[1:])
+    others = result["engine_a_others"]
+    assert others[0]["cached"] == 0
+    assert tokens(others) == tokens(result["baseline_others"])
+    b = result["engine_b"]
+    assert tokens(b) == baseline
+    assert [o["cached"] for o in b] == [
+        min(n // 64 * 64, n - 1) for n in (o["prompt_tokens"] for o in b)
+    ]
+    assert result["engine_b_tier_hits"]["lmdb"] > 0
+
+
 def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):
     result, work = inprocess
     reader = start(vllm_python, tiny_llama, work, "shared", "--role", "reader")

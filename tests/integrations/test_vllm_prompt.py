@@ -11,6 +11,7 @@ import concurrent.futures
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 
 from kvtiers.core.keys import ChunkHasher
 from kvtiers.integrations._vllm_events import ChunkOrigins, block_origin
@@ -151,3 +152,56 @@ def test_an_engine_that_names_items_per_request_keys_no_item():
     assert s.get_num_new_matched_tokens(request(hashed_looking), 0) == (0, False)
     assert lookup.asked == []
     assert s.get_num_new_matched_tokens(request(req_id="text"), 0) == (128, False)
+
+
+def embeds_request(embeds: torch.Tensor, req_id: str = "e1") -> SimpleNamespace:
+    """A request given as embeddings: vLLM holds zeros in place of its token ids."""
+    n = embeds.shape[0]
+    return text_request(req_id, n, all_token_ids=[0] * n, prompt_embeds=embeds)
+
+
+def test_a_prompt_of_embeddings_is_keyed_by_the_embeddings():
+    gen = torch.Generator().manual_seed(0)
+    embeds = torch.randn(200, 32, generator=gen).to(torch.bfloat16)
+    ids = key_tokens(embeds_request(embeds), 192)
+    assert (ids >= 2**62).all() and len(set(ids.tolist())) == 192
+    assert np.array_equal(ids, key_tokens(embeds_request(embeds.clone()), 192))  # same: same
+    assert np.array_equal(ids[:100], key_tokens(embeds_request(embeds), 100))  # any limit
+    changed = embeds.clone()
+    changed[70, 3] += 1  # one value of row 70 (the group of rows 64-79)
+    other = key_tokens(embeds_request(changed), 192)
+    assert np.array_equal(other[:64], ids[:64]) and not np.array_equal(other[64:80], ids[64:80])
+    assert np.array_equal(other[80:], ids[80:])  # ids are per group; the keys chain
+    keys, other_keys = chunk_keys(ids), chunk_keys(other)
+    assert keys[0] == other_keys[0] and keys[1] != other_keys[1] and keys[2] != other_keys[2]
+    # the same values in another dtype are other inputs
+    assert not np.array_equal(key_tokens(embeds_request(embeds.float()), 192), ids)
+
+
+def test_prompts_mixing_ids_and_embeddings_or_misshapen_embeddings_are_not_keyed():
+    embeds = torch.zeros(64, 8)
+    assert keyable(embeds_request(embeds))
+    mixed = embeds_request(embeds)
+    mixed.prompt_is_token_ids = [True] * 32 + [False] * 32
+    assert not keyable(mixed)
+    assert not keyable(text_request("x", 64, prompt_embeds=torch.zeros(63, 8)))
+    assert not keyable(text_request("x", 64, prompt_embeds=torch.zeros(64)))
+
+
+def test_the_scheduler_keys_an_embeddings_prompt_once_and_events_keep_its_own_ids():
+    lookup = Lookup(hit=128)
+    settings = ConnectorSettings(lookup_wait_ms=0)
+    s = SchedulerSide(settings, BLOCK, CHUNK, lambda: lookup, kv_events=True)
+    embeds = torch.randn(300, 16, generator=torch.Generator().manual_seed(1))
+    r = embeds_request(embeds, "e1")
+    r.block_hashes = [bytes([i]) * 32 for i in range(300 // BLOCK)]
+    keyed = key_tokens(r, 256).tolist()
+    assert s.get_num_new_matched_tokens(r, 0) == (128, False)
+    assert lookup.asked == [keyed]
+    s.update_state_after_alloc(r, list(range(19)), 128)
+    r.num_computed_tokens = 128
+    plan = s.build_plan({"e1": 172}, lambda _: list(range(19)))
+    assert tokens_of(plan.loads[0].tokens).tolist() == keyed[:128]
+    (save,) = plan.saves
+    assert tokens_of(save.tokens).tolist() == keyed
+    assert save.origin is not None and save.origin.token_ids == tokens_to_bytes([0] * 256)

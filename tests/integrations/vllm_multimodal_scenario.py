@@ -7,6 +7,13 @@ KV differs from the first token on. A baseline engine without kvtiers answers ea
 with text 1, then a dog with text 1 (the same token ids: it must not get the cat's KV),
 then the cat with text 2 (which shares the cat and the start of text 1's text). A fresh
 engine B gets every prompt's whole chunks from LMDB and answers exactly as the baseline.
+
+The `embeds` scenario (the tiny Llama): prompts given as embeddings (`prompt_embeds`, the
+model's own embeddings of token prompts, so the answers equal the token prompts'). Engine A
+serves them one after another (the later ones share the first four chunks), then other
+embeddings of the same length (the rows scaled: vLLM holds zeros for the token ids of
+both, so only the embeddings tell them apart), which must get nothing; a fresh engine B
+gets every whole chunk from LMDB. Every answer equals an engine without kvtiers.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from build_tiny_llama import WORDS
-from vllm_scenarios import Engine, tier_hits, tiers
+from vllm_scenarios import Engine, make_prompts, tier_hits, tiers
 
 
 def image(seed: int) -> Any:
@@ -59,4 +66,30 @@ def scenario_multimodal(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
-__all__ = ["scenario_multimodal"]
+def scenario_embeds(model: str, work: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    table = load_file(str(Path(model) / "model.safetensors"))["model.embed_tokens.weight"]
+    token_prompts = make_prompts(seed=7)
+    prompts = [{"prompt_embeds": table[p]} for p in token_prompts]
+    others = [{"prompt_embeds": table[p] * 1.5} for p in token_prompts[:1]]
+    result: dict[str, Any] = {}
+    base = Engine(model, None, prefix_caching=False, enable_prompt_embeds=True)
+    result["baseline"] = base.generate(token_prompts)
+    result["baseline_embeds"] = base.generate(prompts)
+    result["baseline_others"] = base.generate(others)
+    base.close()
+
+    a = Engine(model, tiers(work), prefix_caching=False, enable_prompt_embeds=True)
+    result["engine_a"] = [a.generate([p])[0] for p in prompts]
+    result["engine_a_others"] = a.generate(others)
+    a.close()
+
+    b = Engine(model, tiers(work), prefix_caching=False, enable_prompt_embeds=True)
+    result["engine_b"] = b.generate(prompts)
+    result["engine_b_tier_hits"] = tier_hits(b.connector)
+    b.close()
+    return result
+
+
+__all__ = ["scenario_embeds", "scenario_multimodal"]

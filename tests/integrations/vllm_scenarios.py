@@ -35,7 +35,8 @@ Scenarios:
   second layer, and a fresh engine C has that chunk's blocks recomputed.
 - `handoff`, `handoff-mp`, `handoff-tp2`: prefill/decode disaggregation through a pool
   (vllm_handoff_scenario.py).
-- `multimodal`: prompts with images on a tiny BLIP-2 (vllm_multimodal_scenario.py).
+- `multimodal`, `embeds`: prompts with images on a tiny BLIP-2, prompts given as
+  embeddings (vllm_multimodal_scenario.py).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class Engine:
         kv_role: str = "kv_both",
         extra: dict[str, Any] | None = None,
         max_tokens: int = MAX_TOKENS,
+        **llm_args: Any,
     ) -> None:
         from vllm import LLM, SamplingParams
         from vllm.config import KVEventsConfig
@@ -133,6 +135,7 @@ class Engine:
             tensor_parallel_size=tensor_parallel,
             pipeline_parallel_size=pipeline_parallel,
             seed=0,
+            **llm_args,
         )
         self.start_seconds = time.perf_counter() - started
         self.params = SamplingParams(
@@ -615,6 +618,7 @@ def main() -> None:
             "handoff-mp",
             "handoff-tp2",
             "multimodal",
+            "embeds",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -663,6 +667,10 @@ def main() -> None:
         from vllm_multimodal_scenario import scenario_multimodal
 
         result = scenario_multimodal(args.model, args.work)
+    elif args.scenario == "embeds":
+        from vllm_multimodal_scenario import scenario_embeds
+
+        result = scenario_embeds(args.model, args.work)
     elif args.scenario == "handoff-tp2":
         from vllm_handoff_scenario import scenario_handoff_tp2
 
