@@ -131,13 +131,17 @@ def _embedding_ids(embeds: Any, rows: int) -> npt.NDArray[np.int64]:
 
     data = embeds.detach().to("cpu").contiguous()
     seed = xxhash.xxh3_64_intdigest(f"embeds\x1f{data.dtype}\x1f{data.shape[1]}".encode())
-    out = np.empty(rows, dtype=np.uint64)
+    raw = data.view(torch.uint8).numpy()  # one row of bytes per token
+    groups = -(-rows // EMBED_ROWS)  # whole groups: a row's id never depends on `rows`
+    digests = np.fromiter(
+        (
+            xxhash.xxh3_64_intdigest(raw[g * EMBED_ROWS : (g + 1) * EMBED_ROWS], seed=seed)
+            for g in range(groups)
+        ),
+        dtype=np.uint64,
+        count=groups,
+    )
+    steps = np.arange(EMBED_ROWS, dtype=np.uint64) * _STEP
     with np.errstate(over="ignore"):  # arithmetic modulo 2**64, by design
-        for start in range(0, rows, EMBED_ROWS):
-            group = data[start : start + EMBED_ROWS]  # whole groups: ids never depend on `rows`
-            raw = group.view(torch.uint8).numpy()
-            digest = np.uint64(xxhash.xxh3_64_intdigest(raw, seed=seed))
-            count = min(EMBED_ROWS, rows - start)
-            steps = np.arange(count, dtype=np.uint64) * _STEP
-            out[start : start + count] = ((steps + digest) & _MASK) | _BASE
-    return out.astype(np.int64)
+        ids = ((digests[:, None] + steps[None, :]) & _MASK) | _BASE
+    return ids.reshape(-1)[:rows].astype(np.int64)
