@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -123,13 +124,43 @@ class SharedCache:
     """Per-cache services started by a user (the lookup server), closed with the cache."""
 
 
+def _at_interpreter_exit(callback: Callable[[], None]) -> None:
+    """Run `callback` when the interpreter exits, while thread pools still take work.
+
+    NOTE: `atexit` hooks run after `concurrent.futures` has shut its pools down (its hook
+    is one of `threading`'s exit hooks, which run first), so a cache closed there cannot
+    drain its queues: the LMDB tier writes through a pool. `threading`'s hooks run last
+    registered first, so one registered here runs before the pools' own.
+    """
+    import concurrent.futures.thread  # noqa: F401  # its hook is registered before ours
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        import atexit
+
+        atexit.register(callback)
+    else:
+        register(callback)
+
+
+def _close_at_exit(registry_ref: weakref.ref[CacheRegistry]) -> None:
+    registry = registry_ref()
+    if registry is not None:
+        registry.close_all()
+
+
 class CacheRegistry:
-    """Share one open `TieredCache` per (config, layout) within a process, counted by users."""
+    """Share one open `TieredCache` per (config, layout) within a process, counted by users.
+
+    At interpreter exit the caches still open are closed (their queued writes drained), so
+    a process that never shuts its engine down loses no accepted chunk.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Hashable, SharedCache] = {}
         self._engines: dict[tuple[str, int], SharedCache] = {}
+        self._exit_hooked = False
 
     def acquire(
         self, key: Hashable, build: Callable[[], TieredCache], *, open_timeout: float = 120.0
@@ -151,6 +182,9 @@ class CacheRegistry:
                     raise
                 entry = SharedCache(key=key, loop=loop, cache=cache)
                 self._entries[key] = entry
+                if not self._exit_hooked:
+                    _at_interpreter_exit(functools.partial(_close_at_exit, weakref.ref(self)))
+                    self._exit_hooked = True
             entry.refs += 1
             return entry
 
@@ -173,6 +207,22 @@ class CacheRegistry:
                 logger.exception("kvtiers: closing the cache failed")
             finally:
                 entry.loop.stop()
+
+    def close_all(self, *, close_timeout: float = 60.0) -> None:
+        """Close every open cache, whatever its users; idempotent (run at interpreter exit)."""
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._engines.clear()
+            for entry in entries:
+                entry.refs = 0
+                try:
+                    if entry.loop.alive:
+                        entry.loop.run(_close(entry), close_timeout)
+                except Exception:
+                    logger.exception("kvtiers: closing the cache failed")
+                finally:
+                    entry.loop.stop()
 
     def publish(self, engine_id: str, rank: int, entry: SharedCache) -> None:
         """Record that the worker of `engine_id`, rank `rank`, uses `entry` in this process."""

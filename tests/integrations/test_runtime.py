@@ -8,7 +8,7 @@ import pytest
 
 from kvtiers import CacheState, TieredCache
 from kvtiers.integrations._runtime import CacheRegistry, LoopThread
-from tests.conftest import make_config
+from tests.conftest import make_config, small_layout
 
 
 def test_loop_thread_runs_coroutines_and_stops():
@@ -59,3 +59,53 @@ def test_a_cache_that_cannot_open_leaves_nothing_behind(tmp_path):
     entry = registry.acquire("good", lambda: TieredCache.from_config(make_config()))
     registry.release(entry)
     assert entry.cache.state is CacheState.CLOSED
+
+
+_EXIT_SCRIPT = """
+import sys
+from pathlib import Path
+from kvtiers import TieredCache
+from kvtiers.integrations._runtime import CACHES
+from tests.conftest import make_config, make_kv, small_layout
+
+config = make_config(Path(sys.argv[1]), dram_chunks=256, lmdb_chunks=256)
+entry = CACHES.acquire("exit", lambda: TieredCache.from_config(config))
+layout = small_layout()
+for i in range(40):  # stores submitted, never awaited: the process just ends
+    tokens = [i * 1000 + t for t in range(4 * layout.chunk_size)]
+    entry.loop.submit(entry.cache.store(tokens, make_kv(layout, len(tokens), seed=i)))
+"""
+
+
+def test_caches_still_open_at_interpreter_exit_are_closed_with_their_writes_drained(tmp_path):
+    """A process that never shuts its engine down (an offline `LLM` left to exit) still
+    gets every accepted chunk into its write-through tiers, and logs no failed close."""
+    import asyncio
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "closing the cache failed" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    async def count() -> int:
+        config = make_config(tmp_path, dram_chunks=256, lmdb_chunks=256)
+        config["tiers"] = config["tiers"][1:]  # the LMDB tier alone
+        layout = small_layout()
+        found = 0
+        async with TieredCache.from_config(config, layout=layout) as cache:
+            for i in range(40):
+                tokens = [i * 1000 + t for t in range(4 * layout.chunk_size)]
+                found += await cache.lookup(tokens) // layout.chunk_size
+        return found
+
+    assert asyncio.run(count()) == 40 * 4
