@@ -20,6 +20,7 @@ import torch
 
 from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, TierConfig, format_size, load_config
+from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.pinned import cuda_available
 from kvtiers.tiers.base import Tier
@@ -80,8 +81,13 @@ def _run_explain(args: argparse.Namespace) -> int:
     # NOTE: building the cache validates every tier's options, eviction and write policy
     # exactly as a real run does; tiers allocate and open nothing until the cache is opened.
     tiers: Sequence[Tier | None] = [None] * len(classes)
-    if config.layout is not None:
-        tiers = TieredCache(config, registry=registry).tiers
+    try:
+        if config.layout is not None:
+            tiers = TieredCache(config, registry=registry).tiers
+        else:
+            TieredCache.check_tiers(config, registry=registry)  # as an engine's build will
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (in {args.config})") from exc
     machine = read_machine()
     lines = [f"config        {args.config}", *_layout_lines(config)]
     for tc, cls, tier in zip(config.tiers, classes, tiers, strict=True):

@@ -119,7 +119,42 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
             ConfigError: the config is invalid; the message names the field.
         """
         config = source if isinstance(source, CacheConfig) else load_config(source)
-        return cls(config, layout=layout, registry=registry)
+        try:
+            return cls(config, layout=layout, registry=registry)
+        except ConfigError as exc:
+            if isinstance(source, str | os.PathLike):
+                raise ConfigError(f"{exc} (in {os.fspath(source)!s})") from exc
+            raise
+
+    @classmethod
+    def check_tiers(
+        cls,
+        source: str | os.PathLike[str] | Mapping[str, Any] | CacheConfig,
+        *,
+        registry: TierRegistry | None = None,
+    ) -> CacheConfig:
+        """Load a config and check every tier as building a cache does, without a layout.
+
+        For configs whose layout an engine adapter supplies later: kinds, options,
+        eviction and write policies are checked against a one-token probe layout; checks
+        that depend on the real layout (a capacity below one chunk) are left to the build.
+        Nothing is allocated or opened.
+
+        Returns:
+            The loaded config.
+
+        Raises:
+            ConfigError: the config or a tier is invalid; the message names the field and,
+                for a file, ends with `(in PATH)`.
+        """
+        config = source if isinstance(source, CacheConfig) else load_config(source)
+        try:
+            cls(config, layout=_PROBE_LAYOUT, registry=registry)
+        except ConfigError as exc:
+            if isinstance(source, str | os.PathLike):
+                raise ConfigError(f"{exc} (in {os.fspath(source)!s})") from exc
+            raise
+        return config
 
     @property
     def state(self) -> CacheState:
@@ -341,6 +376,10 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
     async def flush(self) -> None:
         """Wait until every chunk queued for a write-through tier is written."""
         await self._mover.flush()
+
+
+_PROBE_LAYOUT = KVLayout("kvtiers-probe", 1, 1, 1, chunk_size=1)
+"""The smallest layout: checks a config's tiers where no layout is known yet."""
 
 
 def _check_args(config: Any, layout: Any, registry: Any) -> None:

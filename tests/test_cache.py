@@ -255,6 +255,32 @@ def test_config_errors_name_the_field():
         TieredCache.from_config(cfg, registry="x")
 
 
+def test_tier_errors_from_a_file_name_the_file(tmp_path):
+    path = tmp_path / "tiers.toml"
+    path.write_text('[[tiers]]\nkind = "dram"\ncapacity = "1MiB"\neviction = "mru"\n')
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.eviction: .*\(in .*tiers\.toml\)$"):
+        TieredCache.from_config(path, layout=small_layout())
+
+
+def test_check_tiers_checks_a_config_without_a_layout_and_opens_nothing(tmp_path):
+    lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "1MiB"}
+    good = {"tiers": [{"kind": "dram", "capacity": "1MiB"}, lmdb]}
+    assert TieredCache.check_tiers(good).tiers[1].kind == "lmdb"
+    assert not (tmp_path / "lmdb").exists()
+    for bad, field in (
+        ({"tiers": [{"kind": "dram", "capacity": "1MiB", "bogus": 1}]}, r"tiers\[0\]\.bogus"),
+        ({"tiers": [{"kind": "tape", "capacity": "1MiB"}]}, r"tiers\[0\]\.kind"),
+        ({"tiers": [good["tiers"][0], {**lmdb, "eviction": "arc"}]}, r"tiers\[1\]\.eviction"),
+        ({"tiers": [{"kind": "dram", "capacity": "1MiB", "eviction": "mru"}]}, "eviction"),
+    ):
+        with pytest.raises(ConfigError, match=field):
+            TieredCache.check_tiers(bad)
+    path = tmp_path / "t.toml"
+    path.write_text('[[tiers]]\nkind = "dram"\ncapacity = "1MiB"\nbogus = 1\n')
+    with pytest.raises(ConfigError, match=r"\(in .*t\.toml\)$"):
+        TieredCache.check_tiers(path)
+
+
 async def test_layout_given_by_an_adapter(layout):
     cfg = make_config()
     del cfg["layout"]

@@ -133,6 +133,25 @@ def test_explain_bad_config_exits_2_naming_the_field(tmp_path, capsys, extra, lm
     assert field in captured.err
 
 
+@pytest.mark.parametrize("with_layout", [True, False], ids=["layout", "no-layout"])
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [("colour = 'blue'", "tiers[1].colour"), ("eviction = 'arc'", "tiers[1].eviction")],
+)
+def test_explain_checks_every_tier_with_or_without_a_layout_and_names_the_file(
+    tmp_path, capsys, extra, field, with_layout
+):
+    """An engine config has no [layout] (the adapter supplies it): its tiers are checked
+    all the same, and a tier's error names the file, as every error from a file does."""
+    path = write_config(tmp_path, extra=extra)
+    if not with_layout:
+        path.write_text(path.read_text().replace(LAYOUT_TOML, ""))
+    assert main(["explain", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert field in err and f"(in {path})" in err
+    assert not (tmp_path / "lmdb").exists()
+
+
 def test_explain_missing_file_exits_2(tmp_path, capsys):
     assert main(["explain", str(tmp_path / "absent.toml")]) == 2
     assert "cannot read" in capsys.readouterr().err

@@ -84,6 +84,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 "kv_connector_extra_config.store_generated: a kv_consumer stores nothing; "
                 "use kv_role kv_both or kv_producer, or set store_generated = false"
             )
+        # NOTE: a tiers config that cannot be read, or names a bad tier, stops the engine at
+        # start-up like a bad extra-config key (a typo must not silently cost all caching);
+        # tiers of a valid config that fail to open (a store unreachable) leave it off.
+        TieredCache.check_tiers(self._settings.tiers_source())
         self._topology = Topology.of(
             vllm_config, kv_cache_config, store_generated=self._settings.store_generated
         )

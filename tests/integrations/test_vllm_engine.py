@@ -236,6 +236,19 @@ def test_prompts_given_as_embeddings_are_keyed_by_them_and_reused(
     assert result["engine_b_tier_hits"]["lmdb"] > 0
 
 
+def test_a_tiers_config_that_cannot_work_stops_the_engine_at_start_up(
+    vllm_python, tiny_llama, tmp_path
+):
+    """A missing config file or a bad tier stops vLLM at start-up naming the field (and the
+    file), like a bad extra-config key: a typo must not silently leave the engine without
+    kvtiers. Nothing is opened."""
+    result = result_of(start(vllm_python, tiny_llama, tmp_path, "refused"))
+    assert "absent.toml" in result["missing"]
+    assert "tiers[0].bogus" in result["bad_option"]
+    assert "tiers[1].eviction" in result["arc_file"] and "arc.toml" in result["arc_file"]
+    assert not result["lmdb_created"]
+
+
 def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python, tiny_llama):
     result, work = inprocess
     reader = start(vllm_python, tiny_llama, work, "shared", "--role", "reader")

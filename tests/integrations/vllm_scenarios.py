@@ -35,6 +35,8 @@ Scenarios:
   second layer, and a fresh engine C has that chunk's blocks recomputed.
 - `handoff`, `handoff-mp`, `handoff-tp2`: prefill/decode disaggregation through a pool
   (vllm_handoff_scenario.py).
+- `refused`: tiers configs that cannot work (a missing file, a bad tier option) stop the
+  engine at start-up with the field named.
 - `multimodal`, `embeds`: prompts with images on a tiny BLIP-2, prompts given as
   embeddings (vllm_multimodal_scenario.py).
 """
@@ -589,6 +591,30 @@ def scenario_events(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
+def scenario_refused(model: str, work: Path) -> dict[str, Any]:
+    """Build engines on tiers configs that cannot work; return what each raised."""
+    bad_option = {"tiers": [{"kind": "dram", "capacity": "64MiB", "bogus": 1}]}
+    arc_file = work / "arc.toml"
+    arc_file.write_text(
+        '[[tiers]]\nkind = "dram"\ncapacity = "64MiB"\n'
+        f'[[tiers]]\nkind = "lmdb"\npath = "{work / "lmdb"}"\ncapacity = "64MiB"\n'
+        'eviction = "arc"\n'
+    )
+    result: dict[str, Any] = {}
+    for name, config in (
+        ("missing", str(work / "absent.toml")),
+        ("bad_option", bad_option),
+        ("arc_file", str(arc_file)),
+    ):
+        try:
+            Engine(model, config, prefix_caching=False)  # type: ignore[arg-type]
+            result[name] = "accepted"
+        except Exception as exc:  # vLLM wraps the connector's error in its own
+            result[name] = f"{type(exc).__name__}: {exc}"
+    result["lmdb_created"] = (work / "lmdb").exists()
+    return result
+
+
 def _vllm_modules_after_importing_kvtiers() -> list[str]:
     """Import kvtiers and the adapter's vLLM-free parts; return the vLLM modules loaded."""
     import kvtiers  # noqa: F401
@@ -619,6 +645,7 @@ def main() -> None:
             "handoff-tp2",
             "multimodal",
             "embeds",
+            "refused",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -667,6 +694,8 @@ def main() -> None:
         from vllm_multimodal_scenario import scenario_multimodal
 
         result = scenario_multimodal(args.model, args.work)
+    elif args.scenario == "refused":
+        result = scenario_refused(args.model, args.work)
     elif args.scenario == "embeds":
         from vllm_multimodal_scenario import scenario_embeds
 
