@@ -200,13 +200,7 @@ class CacheRegistry:
             for name, value in list(self._engines.items()):
                 if value is entry:
                     del self._engines[name]
-            try:
-                if entry.loop.alive:
-                    entry.loop.run(_close(entry), close_timeout)
-            except Exception:
-                logger.exception("kvtiers: closing the cache failed")
-            finally:
-                entry.loop.stop()
+            _close_and_stop(entry, close_timeout)
 
     def close_all(self, *, close_timeout: float = 60.0) -> None:
         """Close every open cache, whatever its users; idempotent (run at interpreter exit)."""
@@ -216,13 +210,7 @@ class CacheRegistry:
             self._engines.clear()
             for entry in entries:
                 entry.refs = 0
-                try:
-                    if entry.loop.alive:
-                        entry.loop.run(_close(entry), close_timeout)
-                except Exception:
-                    logger.exception("kvtiers: closing the cache failed")
-                finally:
-                    entry.loop.stop()
+                _close_and_stop(entry, close_timeout)
 
     def publish(self, engine_id: str, rank: int, entry: SharedCache) -> None:
         """Record that the worker of `engine_id`, rank `rank`, uses `entry` in this process."""
@@ -274,6 +262,17 @@ def config_identity(source: str | Mapping[str, Any]) -> Hashable:
     if isinstance(source, str | os.PathLike):
         return ("path", str(Path(source).expanduser().resolve()))
     return ("inline", json.dumps(source, sort_keys=True, default=str))
+
+
+def _close_and_stop(entry: SharedCache, close_timeout: float) -> None:
+    """Close `entry`'s cache on its loop (logged if that fails), then stop the loop."""
+    try:
+        if entry.loop.alive:
+            entry.loop.run(_close(entry), close_timeout)
+    except Exception:
+        logger.exception("kvtiers: closing the cache failed")
+    finally:
+        entry.loop.stop()
 
 
 async def _close(entry: SharedCache) -> None:
