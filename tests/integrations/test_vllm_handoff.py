@@ -11,20 +11,7 @@ import pytest
 from kvtiers import ConfigError
 from kvtiers.integrations._vllm_handoff import Role, announce, announced_tokens
 from kvtiers.integrations._vllm_plan import ConnectorSettings, tokens_of
-from kvtiers.integrations._vllm_scheduler import SchedulerSide
-from tests.integrations.test_vllm_scheduler import BLOCK, CHUNK, Clock, FakeLookup, request
-
-
-def side(lookup, clock, kv_role="kv_both", **settings):
-    settings.setdefault("lookup_wait_ms", 0)
-    return SchedulerSide(
-        ConnectorSettings(**settings),
-        BLOCK,
-        CHUNK,
-        lambda: lookup,
-        clock=clock,
-        role=Role.of(kv_role),
-    )
+from tests.integrations.test_vllm_scheduler import Clock, FakeLookup, request, side
 
 
 def consumer_request(announced, num_tokens=300):

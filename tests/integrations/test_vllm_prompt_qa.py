@@ -26,16 +26,15 @@ from kvtiers.core.events import ChunkRemoved, ChunkStored
 from kvtiers.core.keys import ChunkHasher
 from kvtiers.integrations._runtime import CacheRegistry
 from kvtiers.integrations._vllm_events import BlocksRemoved, BlocksStored, WorkerEvents
-from kvtiers.integrations._vllm_handoff import Role, announce
+from kvtiers.integrations._vllm_handoff import announce
 from kvtiers.integrations._vllm_plan import (
-    ConnectorSettings,
     StepPlan,
     tokens_of,
     tokens_to_bytes,
 )
 from kvtiers.integrations._vllm_prompt import key_tokens, keyable
-from kvtiers.integrations._vllm_scheduler import SchedulerSide
 from tests.conftest import make_config, make_kv, small_layout
+from tests.integrations.test_vllm_scheduler import side as scheduler_side
 
 LAYOUT = small_layout()
 BLOCK, CHUNK = 8, LAYOUT.chunk_size  # chunks of 16 tokens: two blocks each
@@ -119,16 +118,8 @@ class Lookup:
         return future
 
 
-def side(lookup, *, kv_events: bool = False, kv_role: str = "kv_both", **settings):
-    settings.setdefault("lookup_wait_ms", 0)
-    return SchedulerSide(
-        ConnectorSettings(**settings),
-        BLOCK,
-        CHUNK,
-        lambda: lookup,
-        kv_events=kv_events,
-        role=Role.of(kv_role),
-    )
+def side(lookup, **kwargs):
+    return scheduler_side(lookup, block=BLOCK, chunk=CHUNK, **kwargs)
 
 
 # -- how items are keyed ---------------------------------------------------------------

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtiers import ConfigError
+from kvtiers.integrations._vllm_handoff import Role
 from kvtiers.integrations._vllm_plan import (
     BlockOrigin,
     ConnectorSettings,
@@ -63,10 +64,19 @@ class Clock:
         return self.now
 
 
-def side(lookup, clock=None, **settings):
+def side(
+    lookup, clock=None, kv_role="kv_both", *, kv_events=False, block=BLOCK, chunk=CHUNK, **settings
+):
+    """A scheduler side on `lookup`; the scheduler, hand-off and prompt tests share it."""
     settings.setdefault("lookup_wait_ms", 0)
     return SchedulerSide(
-        ConnectorSettings(**settings), BLOCK, CHUNK, lambda: lookup, clock=clock or Clock()
+        ConnectorSettings(**settings),
+        block,
+        chunk,
+        lambda: lookup,
+        clock=clock or Clock(),
+        kv_events=kv_events,
+        role=Role.of(kv_role),
     )
 
 
