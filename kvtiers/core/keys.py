@@ -43,6 +43,7 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArr
             arr = np.frombuffer(array.array("q", tokens), dtype=np.int64)
         except (TypeError, OverflowError) as exc:
             raise TokenError(f"tokens: expected integer ids ({exc})") from exc
+        _refuse_bools(tokens, arr)
     else:
         try:
             arr = np.asarray(tokens)
@@ -59,6 +60,16 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArr
     if arr.dtype.kind == "i" and int(arr.min()) < 0:
         raise TokenError(f"tokens: ids must be non-negative, found {int(arr.min())}")
     return np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE)
+
+
+def _refuse_bools(tokens: Sequence[object], arr: npt.NDArray[np.integer]) -> None:
+    """Refuse `True`/`False` among `tokens` (`array` takes them as 1 and 0).
+
+    Only the places holding 0 or 1 are looked at, so a long prompt costs one vector compare.
+    """
+    for i in np.flatnonzero(arr <= 1).tolist():
+        if isinstance(tokens[i], bool | np.bool_):
+            raise TokenError(f"tokens: expected integer ids, found {tokens[i]!r} at {i}")
 
 
 class ChunkHasher:
