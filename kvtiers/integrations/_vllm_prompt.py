@@ -20,7 +20,11 @@ A prompt given as embeddings (`prompt_embeds`, no token ids: vLLM holds zeros in
 place) is keyed the same way, by ids derived from the embeddings themselves: each group of
 `EMBED_ROWS` rows is hashed (with the tensor's dtype and width), and its positions get ids
 from that hash. Another embedding anywhere in a group changes every key from that group on.
-A prompt mixing token ids and embeddings (`prompt_is_token_ids`) is not keyed.
+A prompt mixing token ids and embeddings (`prompt_is_token_ids`: `True` where the model
+reads the token's id, `False` where it reads the row of `prompt_embeds`) keeps its token
+ids where the mask is `True`, and its other positions get ids derived as above from the
+group's embedding rows (those under a `True` taken as zeros: the model never reads them)
+and the group's mask.
 
 The derived ids lie in `[2**62, 2**63)`, above any vocabulary, so they never equal a
 real token's id. Only the keys use them: the KV events keep the prompt's own token ids.
@@ -82,10 +86,15 @@ def keyable(request: Any) -> bool:
     """
     embeds = getattr(request, "prompt_embeds", None)
     if embeds is not None:
-        if getattr(request, "prompt_is_token_ids", None) is not None:
-            return False  # token ids and embeddings mixed
         shape = tuple(getattr(embeds, "shape", ()))
         if len(shape) != 2 or shape[0] != getattr(request, "num_prompt_tokens", None):
+            return False
+        mask = getattr(request, "prompt_is_token_ids", None)
+        if mask is not None and (
+            not isinstance(mask, list | tuple)
+            or len(mask) != shape[0]
+            or not all(isinstance(m, bool) for m in mask)
+        ):
             return False
     for item in getattr(request, "mm_features", None) or ():
         place = getattr(item, "mm_position", None)
@@ -107,7 +116,13 @@ def key_tokens(request: Any, limit: int) -> npt.NDArray[np.int64]:
     embeds = getattr(request, "prompt_embeds", None)
     if embeds is not None:
         rows = min(len(tokens), int(embeds.shape[0]))
-        tokens[:rows] = _embedding_ids(embeds, rows)
+        mask = getattr(request, "prompt_is_token_ids", None)
+        if mask is None:
+            tokens[:rows] = _embedding_ids(embeds, rows)
+        else:
+            is_token = np.array(mask, dtype=bool)
+            derived = _embedding_ids(embeds, rows, is_token)
+            tokens[:rows] = np.where(is_token[:rows], tokens[:rows], derived)
     for item in getattr(request, "mm_features", None) or ():
         start = item.mm_position.offset
         end = min(start + item.mm_position.length, len(tokens))
@@ -125,22 +140,35 @@ def key_tokens(request: Any, limit: int) -> npt.NDArray[np.int64]:
     return tokens
 
 
-def _embedding_ids(embeds: Any, rows: int) -> npt.NDArray[np.int64]:
-    """Return the ids of the first `rows` rows of `embeds` (a 2-D tensor, see the module doc)."""
+def _embedding_ids(
+    embeds: Any, rows: int, is_token: npt.NDArray[np.bool_] | None = None
+) -> npt.NDArray[np.int64]:
+    """Return the ids of the first `rows` rows of `embeds` (a 2-D tensor, see the module doc).
+
+    `is_token` (a mixed prompt's mask, one entry per row) marks the rows the model does not
+    read: they are hashed as zeros, and each group's hash covers its part of the mask.
+    """
     import torch
 
     data = embeds.detach().to("cpu").contiguous()
     seed = xxhash.xxh3_64_intdigest(f"embeds\x1f{data.dtype}\x1f{data.shape[1]}".encode())
+    if is_token is not None and is_token.any():
+        data = data.clone()
+        data[torch.from_numpy(is_token)] = 0
     raw = data.view(torch.uint8).numpy()  # one row of bytes per token
     groups = -(-rows // EMBED_ROWS)  # whole groups: a row's id never depends on `rows`
-    digests = np.fromiter(
-        (
-            xxhash.xxh3_64_intdigest(raw[g * EMBED_ROWS : (g + 1) * EMBED_ROWS], seed=seed)
-            for g in range(groups)
-        ),
-        dtype=np.uint64,
-        count=groups,
-    )
+    marks = b"" if is_token is None else np.packbits(is_token).tobytes()
+    per_group = EMBED_ROWS // 8  # bytes of the packed mask per group
+
+    def digest(g: int) -> int:
+        rows_of_g = raw[g * EMBED_ROWS : (g + 1) * EMBED_ROWS]
+        if not marks:
+            return xxhash.xxh3_64_intdigest(rows_of_g, seed=seed)
+        hasher = xxhash.xxh3_64(rows_of_g, seed=seed)
+        hasher.update(marks[g * per_group : (g + 1) * per_group])
+        return hasher.intdigest()
+
+    digests = np.fromiter((digest(g) for g in range(groups)), dtype=np.uint64, count=groups)
     steps = np.arange(EMBED_ROWS, dtype=np.uint64) * _STEP
     with np.errstate(over="ignore"):  # arithmetic modulo 2**64, by design
         ids = ((digests[:, None] + steps[None, :]) & _MASK) | _BASE

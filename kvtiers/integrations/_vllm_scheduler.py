@@ -60,8 +60,8 @@ class _Tracked:
     request: Any
     salt: Salt
     eligible: bool
-    """False for requests kvtiers cannot key (`_vllm_prompt.keyable`: token ids mixed with
-    embeddings, multimodal items not named by their content)."""
+    """False for requests kvtiers cannot key (`_vllm_prompt.keyable`: misshapen embeddings,
+    multimodal items not named by their content)."""
     keyed: npt.NDArray[np.int64] | None = None
     """The ids that key the prompt (`_vllm_prompt.key_tokens`), made once."""
     answer: int | None = None

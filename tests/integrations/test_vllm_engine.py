@@ -217,7 +217,8 @@ def test_prompts_given_as_embeddings_are_keyed_by_them_and_reused(
     """Prompts given as embeddings (the model's own, so the answers equal the token
     prompts'): the later ones reuse the shared prefix, other embeddings of the same length
     (vLLM holds the same zeros for their token ids) get nothing, and a fresh engine loads
-    every whole chunk from LMDB; every answer equals an engine without kvtiers."""
+    every whole chunk from LMDB; the same for prompts mixing token ids and embeddings;
+    every answer equals an engine without kvtiers."""
     result = result_of(start(vllm_python, tiny_llama, tmp_path, "embeds"))
     baseline = tokens(result["baseline"])
     assert tokens(result["baseline_embeds"]) == baseline
@@ -234,6 +235,23 @@ def test_prompts_given_as_embeddings_are_keyed_by_them_and_reused(
         min(n // 64 * 64, n - 1) for n in (o["prompt_tokens"] for o in b)
     ]
     assert result["engine_b_tier_hits"]["lmdb"] > 0
+    # Token ids mixed with embeddings (rows 170-209 given as embeddings): the chunks before
+    # the embeddings are the text prompt's, the embeddings key the rest.
+    assert tokens(result["baseline_mixed"]) == baseline
+    assert tokens(result["baseline_mixed_others"]) != baseline[:1]
+    assert result["engine_a_text"][0]["cached"] == 0
+    mixed = result["engine_a_mixed"]
+    assert tokens(mixed) == baseline
+    assert mixed[0]["cached"] == 128  # chunks 0 and 1 from the text prompt, not chunk 2
+    assert all(o["cached"] >= PREFIX for o in mixed[1:])
+    others = result["engine_a_mixed_others"]
+    assert tokens(others) == tokens(result["baseline_mixed_others"])
+    assert others[0]["cached"] == 128  # other embeddings in chunk 2: nothing from there on
+    b_mixed = result["engine_b_mixed"]
+    assert tokens(b_mixed) == baseline
+    assert [o["cached"] for o in b_mixed] == [
+        min(n // 64 * 64, n - 1) for n in (o["prompt_tokens"] for o in b_mixed)
+    ]
 
 
 def test_a_tiers_config_that_cannot_work_stops_the_engine_at_start_up(

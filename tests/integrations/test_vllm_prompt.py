@@ -178,12 +178,59 @@ def test_a_prompt_of_embeddings_is_keyed_by_the_embeddings():
     assert not np.array_equal(key_tokens(embeds_request(embeds.float()), 192), ids)
 
 
-def test_prompts_mixing_ids_and_embeddings_or_misshapen_embeddings_are_not_keyed():
+def mixed_request(
+    ids: list[int], embeds: torch.Tensor, mask: list[bool], req_id: str = "m1"
+) -> SimpleNamespace:
+    """A prompt mixing token ids and embeddings: vLLM holds zeros where the mask is False."""
+    own = [t if is_token else 0 for t, is_token in zip(ids, mask, strict=True)]
+    request = text_request(req_id, len(ids), all_token_ids=own, prompt_embeds=embeds)
+    request.prompt_is_token_ids = mask
+    return request
+
+
+def test_a_prompt_mixing_ids_and_embeddings_is_keyed_by_both():
+    gen = torch.Generator().manual_seed(2)
+    ids = list(range(10, 202))
+    embeds = torch.randn(192, 16, generator=gen)
+    mask = [True] * 70 + [False] * 50 + [True] * 72  # embeddings at rows 70-119
+    keyed = key_tokens(mixed_request(ids, embeds, mask), 192)
+    # token ids where the model reads them, derived ids elsewhere
+    assert keyed[:70].tolist() == ids[:70] and keyed[120:].tolist() == ids[120:]
+    assert (keyed[70:120] >= 2**62).all()
+    # a text prompt of the same ids shares the chunk before the embeddings, nothing after
+    text_keys = chunk_keys(np.array(ids, dtype=np.int64))
+    mixed_keys = chunk_keys(keyed)
+    assert mixed_keys[0] == text_keys[0] and mixed_keys[1] != text_keys[1]
+    # the rows the model does not read are not part of the key
+    noisy = embeds.clone()
+    noisy[:70] = torch.randn(70, 16, generator=gen)
+    noisy[120:] = 7.0
+    assert np.array_equal(key_tokens(mixed_request(ids, noisy, mask), 192), keyed)
+    # the rows it reads are
+    changed = embeds.clone()
+    changed[115, 0] += 1  # the group of rows 112-127
+    other = key_tokens(mixed_request(ids, changed, mask), 192)
+    assert np.array_equal(other[:112], keyed[:112])
+    assert not np.array_equal(other[112:120], keyed[112:120])
+    # another mask over the same values is another prompt, even where the ids agree
+    moved = [True] * 71 + [False] * 49 + [True] * 72
+    other = key_tokens(mixed_request(ids, embeds, moved), 192)
+    assert other[70] == ids[70] and not np.array_equal(other[71:80], keyed[71:80])
+    # all ids (a mask of True only): the text prompt's keys
+    all_ids = key_tokens(mixed_request(ids, embeds, [True] * 192), 192)
+    assert all_ids.tolist() == ids
+
+
+def test_prompts_with_misshapen_embeddings_or_masks_are_not_keyed():
     embeds = torch.zeros(64, 8)
     assert keyable(embeds_request(embeds))
     mixed = embeds_request(embeds)
     mixed.prompt_is_token_ids = [True] * 32 + [False] * 32
-    assert not keyable(mixed)
+    assert keyable(mixed)
+    for mask in ([True] * 63, [True] * 65, [1] * 64, "T" * 64, None):
+        bad = embeds_request(embeds)
+        bad.prompt_is_token_ids = mask
+        assert keyable(bad) == (mask is None)
     assert not keyable(text_request("x", 64, prompt_embeds=torch.zeros(63, 8)))
     assert not keyable(text_request("x", 64, prompt_embeds=torch.zeros(64)))
 

@@ -14,6 +14,13 @@ serves them one after another (the later ones share the first four chunks), then
 embeddings of the same length (the rows scaled: vLLM holds zeros for the token ids of
 both, so only the embeddings tell them apart), which must get nothing; a fresh engine B
 gets every whole chunk from LMDB. Every answer equals an engine without kvtiers.
+
+Then prompts mixing token ids and embeddings (`prompt_is_token_ids`): the token prompts with
+rows `MIXED` given as their embeddings instead. Engine A first serves one token prompt, so
+the first mixed prompt gets exactly the chunks before the embeddings from it; the others
+share every chunk of the prefix; the same prompt with the embedded rows scaled gets the
+same chunks as the first and nothing from the embeddings' chunk on. Engine B gets every
+whole chunk of every mixed prompt from LMDB.
 """
 
 from __future__ import annotations
@@ -73,23 +80,45 @@ def scenario_embeds(model: str, work: Path) -> dict[str, Any]:
     token_prompts = make_prompts(seed=7)
     prompts = [{"prompt_embeds": table[p]} for p in token_prompts]
     others = [{"prompt_embeds": table[p] * 1.5} for p in token_prompts[:1]]
+    mixed = [mixed_prompt(p, table) for p in token_prompts]
+    mixed_others = [mixed_prompt(token_prompts[0], table, scale=1.5)]
     result: dict[str, Any] = {}
     base = Engine(model, None, prefix_caching=False, enable_prompt_embeds=True)
     result["baseline"] = base.generate(token_prompts)
     result["baseline_embeds"] = base.generate(prompts)
     result["baseline_others"] = base.generate(others)
+    result["baseline_mixed"] = base.generate(mixed)
+    result["baseline_mixed_others"] = base.generate(mixed_others)
     base.close()
 
     a = Engine(model, tiers(work), prefix_caching=False, enable_prompt_embeds=True)
     result["engine_a"] = [a.generate([p])[0] for p in prompts]
     result["engine_a_others"] = a.generate(others)
+    result["engine_a_text"] = a.generate(token_prompts[2:])
+    result["engine_a_mixed"] = [a.generate([p])[0] for p in mixed]
+    result["engine_a_mixed_others"] = a.generate(mixed_others)
     a.close()
 
     b = Engine(model, tiers(work), prefix_caching=False, enable_prompt_embeds=True)
     result["engine_b"] = b.generate(prompts)
+    result["engine_b_mixed"] = b.generate(mixed)
     result["engine_b_tier_hits"] = tier_hits(b.connector)
     b.close()
     return result
+
+
+MIXED = slice(170, 210)
+"""The rows of the mixed prompts given as embeddings (the end of chunk 2, the start of 3)."""
+
+
+def mixed_prompt(ids: list[int], table: Any, scale: float = 1.0) -> dict[str, Any]:
+    """`ids` with rows `MIXED` given as embeddings (the model's own, times `scale`)."""
+    import torch
+
+    embeds = torch.zeros(len(ids), table.shape[1], dtype=table.dtype)
+    embeds[MIXED] = table[ids[MIXED]] * scale
+    mask = [not (MIXED.start <= i < MIXED.stop) for i in range(len(ids))]
+    return {"prompt_embeds": embeds, "prompt_token_ids": ids, "prompt_is_token_ids": mask}
 
 
 __all__ = ["scenario_embeds", "scenario_multimodal"]
