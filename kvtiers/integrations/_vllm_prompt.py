@@ -146,26 +146,28 @@ def _embedding_ids(
     """Return the ids of the first `rows` rows of `embeds` (a 2-D tensor, see the module doc).
 
     `is_token` (a mixed prompt's mask, one entry per row) marks the rows the model does not
-    read: they are hashed as zeros, and each group's hash covers its part of the mask.
+    read: they are hashed as zeros, each group's hash covers its part of the mask, and a
+    group of token rows only is not hashed (its own ids key it).
     """
     import torch
 
     data = embeds.detach().to("cpu").contiguous()
     seed = xxhash.xxh3_64_intdigest(f"embeds\x1f{data.dtype}\x1f{data.shape[1]}".encode())
-    if is_token is not None and is_token.any():
-        data = data.clone()
-        data[torch.from_numpy(is_token)] = 0
     raw = data.view(torch.uint8).numpy()  # one row of bytes per token
     groups = -(-rows // EMBED_ROWS)  # whole groups: a row's id never depends on `rows`
-    marks = b"" if is_token is None else np.packbits(is_token).tobytes()
-    per_group = EMBED_ROWS // 8  # bytes of the packed mask per group
 
     def digest(g: int) -> int:
         rows_of_g = raw[g * EMBED_ROWS : (g + 1) * EMBED_ROWS]
-        if not marks:
+        if is_token is None:
             return xxhash.xxh3_64_intdigest(rows_of_g, seed=seed)
+        mask = is_token[g * EMBED_ROWS : (g + 1) * EMBED_ROWS]
+        if mask.all():
+            return 0  # unused: every row of the group is keyed by its token id
+        if mask.any():
+            rows_of_g = rows_of_g.copy()
+            rows_of_g[mask] = 0
         hasher = xxhash.xxh3_64(rows_of_g, seed=seed)
-        hasher.update(marks[g * per_group : (g + 1) * per_group])
+        hasher.update(np.packbits(mask).tobytes())
         return hasher.intdigest()
 
     digests = np.fromiter((digest(g) for g in range(groups)), dtype=np.uint64, count=groups)
