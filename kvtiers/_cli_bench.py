@@ -76,7 +76,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     from kvtiers._tierbench import bench_config
 
     config = load_config(args.config)
-    report = asyncio.run(bench_config(config, chunks=args.chunks, cold=args.cold))
+    try:
+        report = asyncio.run(bench_config(config, chunks=args.chunks, cold=args.cold))
+    except ConfigError as exc:  # a tier's own checks, run as the cache is built
+        raise ConfigError(f"{exc} (in {args.config})") from exc
     data = report_dict(report, args.config)
     if args.out:
         try:

@@ -77,11 +77,11 @@ def read_machine() -> Machine:
 def _run_explain(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     registry = TierRegistry()
-    classes = [registry.resolve(tc.kind, where=tc.where) for tc in config.tiers]
     # NOTE: building the cache validates every tier's options, eviction and write policy
     # exactly as a real run does; tiers allocate and open nothing until the cache is opened.
-    tiers: Sequence[Tier | None] = [None] * len(classes)
     try:
+        classes = [registry.resolve(tc.kind, where=tc.where) for tc in config.tiers]
+        tiers: Sequence[Tier | None] = [None] * len(classes)
         if config.layout is not None:
             tiers = TieredCache(config, registry=registry).tiers
         else:
@@ -191,7 +191,9 @@ def _takes(tc: TierConfig, cls: type[Tier], tier: Tier | None) -> list[str]:
         return lines
     if resource:
         return [f"  takes       {size} of {resource}, allocated when the cache opens"]
-    return ["  takes       nothing on this machine (not checked)"]
+    # NOTE: not "nothing": a pool tier may lend this process's memory (mooncake's
+    # segment_size), which its own lines say.
+    return ["  takes       its capacity on its store, not on this machine (not checked)"]
 
 
 def _existing_parent(path: Any) -> Path:

@@ -46,24 +46,29 @@ def add_remote_command(commands: Any) -> None:
     purge.set_defaults(run=_run_remote_purge)
 
 
-def _remote_tiers(config: CacheConfig, name: str | None) -> list[TierConfig]:
-    tiers = [tc for tc in config.tiers if tc.kind == "remote" and name in (None, tc.name)]
+def _remote_tiers(config: CacheConfig, name: str | None, path: str) -> list[TierConfig]:
+    remote = [tc for tc in config.tiers if tc.kind == "remote"]
+    tiers = [tc for tc in remote if name in (None, tc.name)]
     if tiers:
         return tiers
     named = next((tc for tc in config.tiers if tc.name == name), None)
     if named is not None:
         raise ConfigError(
-            f"--tier {name}: {named.where} is a {named.kind!r} tier, not a remote one"
+            f"--tier {name}: {named.where} is a {named.kind!r} tier, not a remote one (in {path})"
         )
-    which = f"named {name!r}" if name is not None else "of kind 'remote'"
-    raise ConfigError(f"tiers: no tier {which} in the config")
+    if name is None:
+        raise ConfigError(f"tiers: no tier of kind 'remote' in the config (in {path})")
+    names = ", ".join(tc.name for tc in remote) or "none"
+    raise ConfigError(
+        f"tiers: no tier named {name!r} in the config; remote tiers: {names} (in {path})"
+    )
 
 
 def _run_remote_ls(args: argparse.Namespace) -> int:
     from kvtiers.tiers._remote_admin import list_pool
 
     config = load_config(args.config)
-    for tc in _remote_tiers(config, args.tier):
+    for tc in _remote_tiers(config, args.tier, args.config):
         namespaces = asyncio.run(list_pool(tc, config.layout))
         print("\n".join(_pool_lines(tc, namespaces, keys=args.keys)))
     return 0
@@ -111,8 +116,10 @@ def _run_remote_purge(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     if config.layout is None:
-        raise ConfigError("layout: required to purge: the layout names the namespace")
-    for tc in _remote_tiers(config, args.tier):
+        raise ConfigError(
+            f"layout: required to purge: the layout names the namespace (in {args.config})"
+        )
+    for tc in _remote_tiers(config, args.tier, args.config):
         result = asyncio.run(
             purge_namespace(
                 tc,

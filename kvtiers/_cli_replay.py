@@ -22,7 +22,7 @@ from kvtiers._cli_args import positive_int
 from kvtiers._cli_bench import read_tier_links
 from kvtiers._replay_full import DEFAULT_BLOCK_BYTES
 from kvtiers.core.checks import describe
-from kvtiers.core.config import CacheConfig, load_config
+from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.costmodel import (
     DEFAULT_MFU,
@@ -166,8 +166,10 @@ def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool
 def _run_replay(args: argparse.Namespace) -> int:
     # NOTE: the plot's file is checked first, not after a replay of many minutes.
     plot = plot_path(args.plot) if args.plot is not None else None
-    config = load_config(args.config) if args.config else None
+    config = _replay_config(args.config) if args.config else None
     model = load_model(args.model) if args.model else None
+    if model is None:
+        _refuse_cost_flags(args)
     layout_chunk = config.layout.chunk_size if config and config.layout else None
     try:
         trace = read_trace(
@@ -198,6 +200,31 @@ def _run_replay(args: argparse.Namespace) -> int:
     if plot is not None:
         write_plot(report, plot)
     return 0
+
+
+def _replay_config(path: str) -> CacheConfig:
+    """Load the config at `path` and check its tiers as a cache built from it would.
+
+    The index-only mode builds no tier, so without this a misspelt option or kind would
+    be replayed as if it were valid.
+    """
+    # NOTE: imported here: the cache imports torch, which the index-only mode never needs.
+    from kvtiers.cache import TieredCache
+
+    return TieredCache.check_tiers(path)
+
+
+def _refuse_cost_flags(args: argparse.Namespace) -> None:
+    """Refuse cost-model flags given without `--model`, which alone uses them."""
+    given = {
+        "--tier": bool(args.tier),
+        "--tiers-from": args.tiers_from is not None,
+        "--tflops": args.tflops is not None,
+        "--measured": bool(args.measured),
+    }
+    for flag, present in given.items():
+        if present:
+            raise ConfigError(f"{flag}: only with --model (TTFT needs a model's prefill cost)")
 
 
 def write_plot(report: ReplayReport, path: Path) -> None:
@@ -247,11 +274,14 @@ def _cascades(
         )
     # NOTE: without --policy, the config's own policies (one run per capacity).
     overrides: list[str | None] = list(parse_policies(args.policy)) if args.policy else [None]
-    return [
-        from_config(config, block_bytes=block_bytes, policy=p, top_capacity=c)
-        for c in capacities
-        for p in overrides
-    ]
+    try:
+        return [
+            from_config(config, block_bytes=block_bytes, policy=p, top_capacity=c)
+            for c in capacities
+            for p in overrides
+        ]
+    except ConfigError as exc:  # a tier's capacity, in blocks of the layout
+        raise ConfigError(f"{exc} (in {args.config})") from exc
 
 
 def _costs(args: argparse.Namespace, model: ModelSpec, tiers: list[TierSpec]) -> CostSetup:

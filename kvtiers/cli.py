@@ -7,7 +7,8 @@ delete the objects of a config's remote tiers.
 Exit status: 0 on success; 1 when the demo finds wrong KV, a tier fails, or a store
 cannot be read or changed (`TierIOError`, or an `OSError` the command did not expect); 2
 for bad arguments or a bad config (`ConfigError`: the message names the field). A failure
-is one line on stderr.
+is one line on stderr; a reader that closes the output early (`| head`) ends the command
+quietly, with status 1.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -53,13 +55,28 @@ def main(argv: list[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         with _quiet_store_logs(args.command in _STORE_COMMANDS):
-            return run(args)
+            status = run(args)
+            sys.stdout.flush()  # a reader that left fails the flush here, not at exit
+            return status
     except ConfigError as exc:
         print(f"kvtiers {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left early (`kvtiers ... | head`): nothing to say
+        _silence_stdout()
+        return 1
     except (KVTiersError, OSError) as exc:  # TierIOError is an OSError too
         print(f"kvtiers {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that its flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout has no descriptor (captured, closed)
+        pass
 
 
 @contextmanager
@@ -129,7 +146,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     if args.config is not None:
         config = load_config(args.config)
-        report = asyncio.run(run_demo(config, workload, progress=progress))
+        try:
+            report = asyncio.run(run_demo(config, workload, progress=progress))
+        except ConfigError as exc:  # a tier's own checks, run as the cache is built
+            raise ConfigError(f"{exc} (in {args.config})") from exc
     else:
         with _demo_directory(args.dir) as directory:
             config = load_config(default_demo_config(directory))

@@ -7,6 +7,7 @@ bad field (`tiers[1].capacity: ...`) and says what was expected.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -58,6 +59,7 @@ _MAX_DECIMALS = 20  # below a byte of any unit; more is a typo, not a size
 # Keys every tier takes; the rest go to the tier kind's own options, which the tier validates.
 _COMMON_TIER_KEYS = frozenset({"kind", "name", "capacity", "eviction", "write_policy"})
 
+_NEAR_MISS = 0.8  # difflib's similarity above which a key is taken for a misspelt one
 _MAX_KEY_SHOWN = 60  # characters of an unknown key that a message shows as it is
 
 
@@ -76,6 +78,8 @@ def parse_size(value: object, *, where: str) -> int:
         size = value
     elif isinstance(value, str) and (match := _SIZE_RE.match(value)):
         size = _size_of(*match.groups(), where=where)
+    elif isinstance(value, str) and _SIZE_RE.match(value.strip().removeprefix("-")):
+        raise ConfigError(f"{where}: expected a non-negative size, got {describe(value)}")
     if size is None:
         raise ConfigError(
             f"{where}: expected a size such as '16GiB', '512MB' or a byte count, "
@@ -116,13 +120,15 @@ class TierConfig:
     """One tier of the cascade, top (fastest) first."""
 
     kind: str
-    """Registered tier kind: `"hbm"`, `"dram"`, `"lmdb"`, `"remote"` or a plugin's."""
+    """Registered tier kind: `"hbm"`, `"dram"`, `"lmdb"`, `"remote"`, `"redis"`,
+    `"mooncake"` or a plugin's."""
     capacity_bytes: int
     """Bytes of chunk payload the tier may hold."""
     name: str = ""
     """Name in stats and logs; defaults to the kind (two tiers of one kind need names)."""
     eviction: str = "lru"
-    """Eviction policy name (`"lru"`, `"arc"`)."""
+    """Eviction policy name (`"lru"`, `"arc"`, `"2q"`); tiers that evict by themselves
+    take only `"lru"`."""
     write_policy: WritePolicy = "write_through"
     """How chunks reach this tier from the one above; ignored for the top tier."""
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -283,6 +289,11 @@ def _key(key: object) -> str:
     return key if isinstance(key, str) and len(key) <= _MAX_KEY_SHOWN else describe(key)
 
 
+def _printable_key(key: object) -> str:
+    """Return a config key as a message names it, quoted if it has a line break or such."""
+    return _key(key) if isinstance(key, str) and key.isprintable() else describe(key)
+
+
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
     keys = {"layout", "tiers", "write_queue_chunks", "events", "metrics", "concurrent_reads"}
     unknown = sorted(map(_key, set(data) - keys))
@@ -293,6 +304,12 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
         raw = data["layout"]
         if not isinstance(raw, Mapping):
             raise ConfigError(f"layout: expected a table, got {describe(raw)}")
+        known = sorted(f.name for f in dataclasses.fields(KVLayout))
+        unknown = sorted(map(_printable_key, set(raw) - set(known)))
+        if unknown:  # named here, as every other key is (`KVLayout` shows it raw)
+            raise ConfigError(
+                f"layout.{unknown[0]}: unknown key; expected one of {', '.join(known)}"
+            )
         try:
             layout = KVLayout.from_dict(dict(raw))
         except TypeError as exc:
@@ -329,6 +346,7 @@ def _parse_tier(i: int, raw: object) -> TierConfig:
     where = f"tiers[{i}]"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a table, got {describe(raw)}")
+    _check_misspelt(raw, where)
     kind = raw.get("kind")
     if not isinstance(kind, str) or not kind:
         raise ConfigError(
@@ -351,3 +369,20 @@ def _parse_tier(i: int, raw: object) -> TierConfig:
         options={k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS},
         index=i,
     )
+
+
+def _check_misspelt(raw: Mapping[Any, Any], where: str) -> None:
+    """Refuse a key that is a near miss of a common tier key the table lacks.
+
+    Without this, `capcity` would be passed on as a kind option, and the error would say
+    that `capacity` is missing, or that `eviciton` is not an option of the kind.
+    """
+    missing = sorted(_COMMON_TIER_KEYS - set(raw))
+    for key in raw:
+        if not isinstance(key, str) or key in _COMMON_TIER_KEYS:
+            continue
+        near = difflib.get_close_matches(key, missing, n=1, cutoff=_NEAR_MISS)
+        if near:
+            raise ConfigError(
+                f"{where}.{_printable_key(key)}: unknown key; did you mean {near[0]!r}?"
+            )
