@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -23,7 +22,7 @@ from kvtiers.tiers import _lmdb_format as fmt
 from kvtiers.tiers._chunk_format import count_verdicts
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._layers import check_layers
-from kvtiers.tiers._lmdb_format import Databases, Writer
+from kvtiers.tiers._lmdb_format import Databases, MapGate, Writer
 from kvtiers.tiers._lmdb_health import WriteHealth
 from kvtiers.tiers._lmdb_options import LMDBOptions, open_env
 from kvtiers.tiers._lmdb_reads import ValueReader, run_jobs
@@ -79,7 +78,7 @@ class LMDBTier(Tier):
         self.map_size = self.options.map_size or fmt.default_map_size(
             self.capacity_bytes, self._value_len
         )
-        self._env: lmdb.Environment | None = None
+        self._gate: MapGate | None = None  # begins every transaction of the open environment
         self._dbs: Databases | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # guards counters and _limit across the pool's threads
@@ -88,6 +87,12 @@ class LMDBTier(Tier):
         self._last_usage = TierUsage(self.capacity_bytes, 0, 0)  # reported while not open
         self._limit = min(self.capacity_bytes, fmt.map_capacity(self.map_size, self._value_len))
         """Bytes of values held at most: the capacity, or less where the map is smaller."""
+        if self._limit < self._value_len:
+            raise ConfigError(
+                f"{config.where}.map_size: a map of {self.map_size} bytes holds no chunk of "
+                f"{self._value_len} bytes (header and payload) beside LMDB's own pages; "
+                "raise it, or leave it out to size the map from the capacity"
+            )
         self._health = WriteHealth(self.name, self.options.path)
         # NOTE: a batch is split into no more parts than there are cores: on 2 vCPUs, 128
         # warm 64 KiB reads took 46 us a chunk split four ways and 34 us split two ways (the
@@ -99,23 +104,29 @@ class LMDBTier(Tier):
         # docstring inherited
         pool = ThreadPoolExecutor(self.options.read_threads, f"kvtiers-lmdb-{self.name}")
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(
-            pool, open_env, self.options, self.map_size, self.name, self.layout
-        )
+        fut = loop.run_in_executor(pool, self._open_env)
         try:
-            self._env, self._dbs = await asyncio.shield(fut)
+            env, self._dbs = await asyncio.shield(fut)
         except BaseException:
             await asyncio.wait({fut})
             if not fut.cancelled() and fut.exception() is None:
                 fut.result()[0].close()  # opened after all, but this open was cancelled
             pool.shutdown(wait=False)
             raise
+        self._gate = MapGate(env, self.map_size, self.options.writemap)
         self._pool = pool
 
-    def _handles(self) -> tuple[lmdb.Environment, Databases]:
-        if self._env is None or self._dbs is None:
+    def _open_env(self) -> tuple[lmdb.Environment, Databases]:
+        """Open the environment, mapping at least its file (see `map_size_over`)."""
+        data = os.path.join(self.options.path, "data.mdb")
+        size = os.path.getsize(data) if os.path.isfile(data) else 0
+        map_size = fmt.map_size_over(self.map_size, size, self.options.writemap)
+        return open_env(self.options, map_size, self.name, self.layout)
+
+    def _handles(self) -> tuple[MapGate, Databases]:
+        if self._gate is None or self._dbs is None:
             raise CacheStateError(f"tier {self.name!r} is not open")
-        return self._env, self._dbs
+        return self._gate, self._dbs
 
     async def _close(self) -> None:
         # docstring inherited
@@ -134,11 +145,10 @@ class LMDBTier(Tier):
                 exc,
             )
         finally:
-            if self._env is not None:
-                with contextlib.suppress(lmdb.Error):
-                    self.usage()  # remembered for stats taken after close
-                self._env.close()
-            self._env = self._dbs = None
+            if self._gate is not None:
+                self.usage()  # remembered for stats taken after close
+                self._gate.close()
+            self._gate = self._dbs = None
 
     async def _run(self, jobs: Sequence[Callable[[threading.Event], _T]]) -> list[_T]:
         """Run blocking `jobs` in the pool and return their results (see `run_jobs`)."""
@@ -147,25 +157,33 @@ class LMDBTier(Tier):
     def _write(self, fn: Callable[[Writer], _T], cancel: threading.Event) -> _T | None:
         """Run `fn` in one write transaction; `None` if it was cancelled.
 
-        Recency that reads recorded is flushed first, in the same transaction.
+        Recency that reads recorded is flushed first, in the same transaction. A map that
+        fills up is grown to another process's larger map first, if there is one.
         """
-        env, dbs = self._handles()
+        try:
+            return self._write_once(fn, cancel)
+        except lmdb.MapFullError:
+            if not self._handles()[0].grow():
+                raise
+            return self._write_once(fn, cancel)
+
+    def _write_once(self, fn: Callable[[Writer], _T], cancel: threading.Event) -> _T | None:
+        gate, dbs = self._handles()
         if cancel.is_set():
             return None
         touched = self._touched.take()
         committed = False
-        txn = env.begin(write=True, buffers=True)
         try:
-            writer = Writer(txn, dbs, self._limit)
-            record_touches(writer, touched)
-            result = fn(writer)
-            writer.save()
-            if not cancel.is_set():
-                txn.commit()
-                committed = True
+            with gate.begin(write=True) as txn:
+                writer = Writer(txn, dbs, self._limit)
+                record_touches(writer, touched)
+                result = fn(writer)
+                writer.save()
+                if not cancel.is_set():
+                    txn.commit()
+                    committed = True
         finally:
             if not committed:
-                txn.abort()
                 self._touched.put_back(touched)
         if not committed:
             return None
@@ -181,10 +199,10 @@ class LMDBTier(Tier):
         return (await self._run([functools.partial(self._contains, keys)]))[0]
 
     def _contains(self, keys: Sequence[ChunkKey], cancel: threading.Event) -> list[bool]:
-        env, dbs = self._handles()
+        gate, dbs = self._handles()
         # NOTE: `seqs` holds every stored key with a few bytes; asking `chunks` would fault
         # in each whole value (see `_lmdb_format`), a read from the disk when it is cold.
-        with env.begin(db=dbs.seqs, buffers=True) as txn:
+        with gate.begin(db=dbs.seqs) as txn:
             return [txn.get(key) is not None for key in keys]
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
@@ -247,8 +265,8 @@ class LMDBTier(Tier):
         tally: bool,
         cancel: threading.Event,
     ) -> list[bool]:
-        env, dbs = self._handles()
-        with env.begin(db=dbs.chunks, buffers=True) as txn:
+        gate, dbs = self._handles()
+        with gate.begin(db=dbs.chunks) as txn:
             hits, bad = self._reader.read_batch(txn, keys, dsts, layers, cancel)
         num_hits = sum(hits)
         read = self.layout.chunk_bytes if layers is None else len(layers) * self.layout.layer_bytes
@@ -284,7 +302,9 @@ class LMDBTier(Tier):
         plan = functools.partial(self._store, keys, srcs)
         try:
             done = self._write_freeing_dead_readers(plan, cancel)
-        except lmdb.MapFullError:
+        except lmdb.MapFullError as exc:
+            if fmt.reader_pins_pages(self._handles()[0].env):  # a long read, not a small map
+                return self._write_failed(keys, exc, cancel)
             # NOTE: the map filled up before the capacity: free twice the batch's size, then
             # retry once. LMDB reuses the pages a transaction frees only two commits later
             # (it keeps the last two snapshots), hence the eviction's own commit and one more.
@@ -329,8 +349,8 @@ class LMDBTier(Tier):
         try:
             return self._write(fn, cancel)
         except lmdb.MapFullError:
-            env, _ = self._handles()
-            if not env.reader_check():
+            gate, _ = self._handles()
+            if not gate.env.reader_check():
                 raise
             logger.info("kvtiers: lmdb tier %s freed reader slots of dead processes", self.name)
             return self._write(fn, cancel)
@@ -355,8 +375,8 @@ class LMDBTier(Tier):
 
     def _map_full(self) -> None:
         """Lower the limit below what the map held when it filled up."""
-        env, dbs = self._handles()
-        with env.begin(buffers=True) as txn:
+        gate, dbs = self._handles()
+        with gate.begin() as txn:
             used = fmt.read_used_bytes(txn, dbs)
         with self._lock:
             self._limit = max(self._value_len, min(self._limit, used * 9 // 10))
@@ -373,15 +393,21 @@ class LMDBTier(Tier):
         self._write(lambda w: [w.remove(key) for key in keys], cancel)
 
     def usage(self) -> TierUsage:
-        """Return the tier's capacity and what it holds (as last seen, once closed)."""
-        if self._env is None or self._dbs is None:
+        """Return the tier's capacity and what it holds (as last seen, once closed).
+
+        What the environment cannot tell now (it is closing, or fails) is as last seen too.
+        """
+        if self._gate is None or self._dbs is None:
             return self._last_usage
-        env, dbs = self._env, self._dbs
+        gate, dbs = self._gate, self._dbs
         # NOTE: a read transaction takes no lock and only reads mapped pages, so this one
         # runs on the caller's thread, the event loop included.
-        with env.begin(buffers=True) as txn:
-            used = fmt.read_used_bytes(txn, dbs)
-            entries = txn.stat(dbs.chunks)["entries"]
+        try:
+            with gate.begin() as txn:
+                used = fmt.read_used_bytes(txn, dbs)
+                entries = txn.stat(dbs.chunks)["entries"]
+        except lmdb.Error:
+            return self._last_usage
         self._last_usage = TierUsage(self.capacity_bytes, used, entries)
         return self._last_usage
 
