@@ -22,7 +22,8 @@ from kvtiers.tiers import _lmdb_format as fmt
 from kvtiers.tiers._chunk_format import count_verdicts
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._layers import check_layers
-from kvtiers.tiers._lmdb_format import Databases, MapGate, Writer
+from kvtiers.tiers._lmdb_format import Databases, Writer
+from kvtiers.tiers._lmdb_gate import MapGate, map_size_over, reader_pins_pages
 from kvtiers.tiers._lmdb_health import WriteHealth
 from kvtiers.tiers._lmdb_options import LMDBOptions, open_env
 from kvtiers.tiers._lmdb_reads import ValueReader, run_jobs
@@ -120,7 +121,7 @@ class LMDBTier(Tier):
         """Open the environment, mapping at least its file (see `map_size_over`)."""
         data = os.path.join(self.options.path, "data.mdb")
         size = os.path.getsize(data) if os.path.isfile(data) else 0
-        map_size = fmt.map_size_over(self.map_size, size, self.options.writemap)
+        map_size = map_size_over(self.map_size, size, self.options.writemap)
         return open_env(self.options, map_size, self.name, self.layout)
 
     def _handles(self) -> tuple[MapGate, Databases]:
@@ -303,7 +304,7 @@ class LMDBTier(Tier):
         try:
             done = self._write_freeing_dead_readers(plan, cancel)
         except lmdb.MapFullError as exc:
-            if fmt.reader_pins_pages(self._handles()[0].env):  # a long read, not a small map
+            if reader_pins_pages(self._handles()[0].env):  # a long read, not a small map
                 return self._write_failed(keys, exc, cancel)
             # NOTE: the map filled up before the capacity: free twice the batch's size, then
             # retry once. LMDB reuses the pages a transaction frees only two commits later
