@@ -8,9 +8,6 @@ The error is counted, and logged once, not once per chunk.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ from kvtiers.core.errors import TierIOError
 from kvtiers.tiers import _lmdb_format
 from kvtiers.tiers.lmdb import LMDBTier
 from kvtiers.tiers.remote import RemoteTier
+from tests._mounts import tmpfs
 from tests.reliability import _faulty_fs as faulty
 from tests.reliability._factories import (
     LAYOUT,
@@ -142,21 +140,8 @@ async def test_remote_on_a_store_that_runs_out_of_space(caplog: pytest.LogCaptur
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Any:
     """Yield a folder on a 2 MiB tmpfs; skip where mounting is not allowed (not root)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if shutil.which("mount") is None or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "remote"])

@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -32,6 +31,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.testing.tiers import SMALL_LAYOUT
 from kvtiers.tiers._lmdb_format import map_capacity, value_bytes
 from kvtiers.tiers.lmdb import LMDBTier
+from tests._mounts import tmpfs
 
 lmdb = pytest.importorskip("lmdb")
 
@@ -150,6 +150,18 @@ def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
             _, stderr = proc.communicate()
             pytest.fail(f"the process exited with {proc.returncode}: {stderr[-3000:]}")
         threading.Event().wait(0.02)
+
+
+def start_script(script: str, path: Path, ready: Path) -> subprocess.Popen[str]:
+    """Run `script` on `path` until its stdin closes; return once it creates `ready`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(path), str(ready)],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(ready, proc)
+    return proc
 
 
 # -- reading the environment around the tier ------------------------------------------------
@@ -465,14 +477,8 @@ async def test_a_long_read_in_another_process_neither_empties_nor_shrinks_the_ti
     path, ready = tmp_path / "db", tmp_path / "ready"
     async with LMDBTier(config(path, 16, map_size="1MiB"), SMALL_LAYOUT) as tier:
         limit = tier._limit
-        reader = subprocess.Popen(
-            [sys.executable, "-c", LONG_READER, str(path), str(ready)],
-            stdin=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        reader = start_script(LONG_READER, path, ready)
         try:
-            wait_for(ready, reader)
             for r in range(150):  # ~2.5 MiB of values through a 1 MiB map
                 ks = [chunk_key("pinned", r * 8 + j) for j in range(8)]
                 await tier.put(ks, [expected(k) for k in ks])  # never raises
@@ -509,14 +515,8 @@ async def test_a_write_held_open_by_another_process_blocks_no_read(tmp_path: Pat
     ks = [chunk_key("w", i) for i in range(4)]
     async with LMDBTier(config(path, 16), SMALL_LAYOUT) as tier:
         assert await tier.put(ks[:2], [expected(k) for k in ks[:2]]) == [True] * 2
-        holder = subprocess.Popen(
-            [sys.executable, "-c", WRITE_HOLDER, str(path), str(ready)],
-            stdin=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        holder = start_script(WRITE_HOLDER, path, ready)
         try:
-            wait_for(ready, holder)
             dsts = [np.empty(SMALL_LAYOUT.chunk_bytes, np.uint8) for _ in ks]
             assert await tier.get(ks, dsts) == [True, True, False, False]
             assert await tier.contains(ks) == [True, True, False, False]
@@ -610,19 +610,8 @@ def test_processes_opening_a_new_path_at_once(tmp_path: Path, writemap: bool) ->
 @pytest.fixture
 def read_only_disk(tmp_path: Path) -> Iterator[Path]:
     """Yield a tmpfs folder that `remount_read_only` turns read-only; skip without mount."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if shutil.which("mount") is None or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 async def test_a_store_on_a_read_only_file_system_is_a_typed_error(read_only_disk: Path) -> None:
