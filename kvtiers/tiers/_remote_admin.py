@@ -23,6 +23,7 @@ from kvtiers.tiers._remote_catalog import (
     Listing,
     StoredObject,
     classify,
+    read_logs,
     scan,
 )
 from kvtiers.tiers._remote_io import ObjectStore
@@ -65,7 +66,8 @@ class PurgeResult:
     num_objects: int
     num_bytes: int
     num_other_files: int
-    """Access logs, temporaries, foreign files and the layout record (purging everything)."""
+    """Access logs, temporaries and the layout record (purging everything); files that are
+    not the tier's (`Listing.others`) are never deleted."""
     num_kept: int
 
 
@@ -110,8 +112,7 @@ async def list_pool(config: TierConfig, layout: KVLayout | None) -> list[Namespa
 
 
 async def _merge_logs(store: ObjectStore, listing: Listing) -> None:
-    raws = await gather_all(store.cat(path) for path in listing.access_logs)
-    AccessLog.merge(listing, [AccessLog.decode(raw) for raw in raws if raw is not None])
+    AccessLog.merge(listing, await read_logs(store, listing))
 
 
 async def purge_namespace(
@@ -145,7 +146,8 @@ async def purge_namespace(
             listing = await scan(store, namespace)
             if older_than is None:
                 doomed = list(listing.objects.values())
-                others = [*listing.access_logs, *listing.temps, *listing.others]
+                # NOTE: `listing.others` are not ours: they stay, even in our namespace.
+                others = [*listing.access_logs, *listing.temps]
                 others += [listing.layout_record] if listing.layout_record else []
             else:
                 doomed = [o for o in listing.objects.values() if o.last_access < now - older_than]

@@ -3,8 +3,9 @@
 A namespace is `<root>/<layout fingerprint hex>`. Below it:
 
 - `<key[:2] hex>/<key hex>`: one object per chunk (16-byte key, so 4 and 32 hex digits);
-- `<key[:2] hex>/.<key hex>.<random>.tmp`: a write in progress on a filesystem that
-  renames (local); a scan deletes those left behind by a crash after an hour;
+- `<key[:2] hex>/.<key hex>.<random>.tmp` (and `._layout.<random>.tmp`): a write in
+  progress on a filesystem that renames (local); a scan deletes those left behind by a
+  crash after an hour;
 - `_access/<writer id>`: one access log per process (see `AccessLog`);
 - `_layout`: the layout's record, a label for `kvtiers inspect` (see `_layout_record`).
 
@@ -14,11 +15,17 @@ process records the chunks it reads in memory and writes its own log object now 
 and no read-modify-write race exists; a scan merges every log with the objects' own
 modification times (their last write). Listing alone would only know writes, so a chunk
 read all day on other nodes but written once would look old.
+
+A log is trusted only so far: one over `MAX_LOG_BYTES` or not in the format is no log (its
+records are ignored), and no access counts as later than `CLOCK_SLACK` after the log's own
+modification time, so a node whose clock runs ahead (or a damaged log) cannot keep chunks
+young forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCESS_DIR",
+    "CLOCK_SLACK",
+    "MAX_LOG_BYTES",
     "AccessLog",
     "Catalog",
     "Listing",
@@ -42,6 +51,7 @@ __all__ = [
     "classify",
     "modified_time",
     "object_path",
+    "read_logs",
     "scan",
 ]
 
@@ -49,9 +59,16 @@ ACCESS_DIR = "_access"
 _LOG_MAGIC = b"KVTA"
 _LOG_VERSION = 1
 _MAX_LOG_ENTRIES = 100_000  # the oldest go first; a log stays a few MiB at most
+MAX_LOG_BYTES = 8 << 20
+"""Bytes of the longest access log read (this process's own stay under 3 MiB)."""
+CLOCK_SLACK = 300.0
+"""Seconds an access in a log may postdate the log's modification time: nodes' clocks
+differ a little from the store's, and S3 keeps whole seconds only."""
 _TIE = 1e-6  # seconds between chunks of one batch, so a prefix is more recent than its suffix
 _OBJECT = re.compile(r"([0-9a-f]{4})/([0-9a-f]{32})")
-_TEMP = re.compile(r"[0-9a-f]{4}/\.[0-9a-f]{32}\.[0-9a-f]+\.tmp")
+_TEMP = re.compile(
+    rf"(?:[0-9a-f]{{4}}/\.[0-9a-f]{{32}}|\.{re.escape(layout_record.REMOTE_NAME)})\.[0-9a-f]+\.tmp"
+)
 
 
 def object_path(namespace: str, key: bytes) -> str:
@@ -171,8 +188,16 @@ class AccessLog:
         return data
 
     @staticmethod
-    def decode(raw: bytes) -> dict[bytes, float]:
-        """Return the records of a log object; empty if it is not one."""
+    def decode(raw: bytes, written: float = math.inf) -> dict[bytes, float]:
+        """Return the records of a log object; empty if it is not one.
+
+        Args:
+            raw: the object.
+            written: its modification time; a record more than `CLOCK_SLACK` later
+                counts as made `CLOCK_SLACK` after it.
+        """
+        if len(raw) > MAX_LOG_BYTES:
+            return {}
         try:
             magic, version, times = msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except (ValueError, TypeError, msgpack.UnpackException):
@@ -180,9 +205,12 @@ class AccessLog:
         if magic != _LOG_MAGIC or version != _LOG_VERSION or not isinstance(times, dict):
             return {}
         return {
-            k: float(t)
+            k: min(float(t), written + CLOCK_SLACK)
             for k, t in times.items()
-            if isinstance(k, bytes) and isinstance(t, int | float) and not isinstance(t, bool)
+            if isinstance(k, bytes)
+            and isinstance(t, int | float)
+            and not isinstance(t, bool)
+            and math.isfinite(t)
         }
 
     @staticmethod
@@ -220,17 +248,32 @@ async def scan(
     listing = classify(namespace, await store.find(namespace, retries=retries))
     if not logs:
         return listing
-    raws = await asyncio.gather(
-        *(store.cat(path) for path in listing.access_logs), return_exceptions=True
-    )  # NOTE: every read ends before an error is raised
-    for raw in raws:
-        if isinstance(raw, BaseException):
-            raise raw
-    records = [AccessLog.decode(raw) for raw in raws if isinstance(raw, bytes)]
+    records = await read_logs(store, listing)
     if own is not None:
         records.append(own.times)
     AccessLog.merge(listing, records)
     return listing
+
+
+async def read_logs(store: ObjectStore, listing: Listing) -> list[dict[bytes, float]]:
+    """Read and decode the access logs of `listing` (at most `MAX_LOG_BYTES` of each).
+
+    Raises:
+        StoreUnavailable: a log could not be read (once every read has ended).
+    """
+    paths = list(listing.access_logs)
+    raws = await asyncio.gather(
+        *(store.cat(path, MAX_LOG_BYTES + 1) for path in paths), return_exceptions=True
+    )  # NOTE: every read ends before an error is raised
+    for raw in raws:
+        if isinstance(raw, BaseException):
+            raise raw
+    # NOTE: a store that gives no modification time (0) leaves the records as they are.
+    return [
+        AccessLog.decode(raw, listing.access_logs[path] or math.inf)
+        for path, raw in zip(paths, raws, strict=True)
+        if isinstance(raw, bytes)
+    ]
 
 
 @dataclass(slots=True)

@@ -266,10 +266,16 @@ class ObjectStore:
 
         `on_success` runs once the object is stored, also if the caller was cancelled
         meanwhile (a started write is finished, not abandoned).
+
+        Raises:
+            StoreUnavailable: the store failed, is full (`StoreFull`), or has nowhere to
+                put the object (no such bucket; a temporary removed by someone else).
         """
         method = "pipe_file" if self.atomic_put else write_renamed
         try:
             await self._request(method, path, data, on_success=on_success)
+        except FileNotFoundError as exc:  # an answer of the store, but no write
+            raise StoreUnavailable(f"{self.url}: cannot write: {self.describe(exc)}") from None
         except StoreFull as exc:
             now = time.monotonic()
             # once per episode, not per chunk; a nearly full store starts no new one at once

@@ -44,6 +44,7 @@ _MIN_ENV_SECRET_CHARS = 8  # environment values are many and not all credentials
 # mistake, or a YAML anchor inside itself, and would exhaust the stack of whoever walks it.
 _MAX_STORAGE_DEPTH = 32
 _WALKED = object()  # _check_nesting's marker: the container above is walked
+_PATH_PROTOCOLS = frozenset({"file", "local", "memory"})  # "a//b" is "a/b" there, or listed
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ class RemoteOptions:
                 f"got {describe(url)}"
             )
         check_path(url.strip().split("://", 1)[-1], f"{where}.url")
+        _check_segments(url.strip(), f"{where}.url")
         storage = raw.get("storage_options", {})
         if not isinstance(storage, Mapping) or not all(isinstance(k, str) for k in storage):
             raise ConfigError(f"{where}.storage_options: expected a table, got {describe(storage)}")
@@ -117,6 +119,23 @@ class RemoteOptions:
             ttl=None if ttl is None else seconds(raw, "ttl", 0.0, where),
             scan_interval=seconds(raw, "scan_interval", 300.0, where, allow_zero=True),
             layer_reads=_flag(raw, "layer_reads", where),
+        )
+
+
+def _check_segments(url: str, where: str) -> None:
+    """Refuse an object store URL with an empty segment (`s3://bucket//prefix`).
+
+    NOTE: an object store keeps the empty segment in the object names, but its listings
+    of `bucket//prefix` find none of them, so no scan would ever see the pool: no
+    eviction, no expiry, and `kvtiers remote ls` and `purge` would find it empty.
+    """
+    protocol, sep, path = url.partition("://")
+    if not sep or protocol.lower() in _PATH_PROTOCOLS:
+        return
+    if "" in path.rstrip("/").split("/"):
+        raise ConfigError(
+            f"{where}: has an empty segment ('//'); an object store could not list the "
+            f"objects below it; got {display_url(url)!r:.200}"
         )
 
 

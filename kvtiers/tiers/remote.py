@@ -147,15 +147,20 @@ class RemoteTier(Tier):
 
     async def _close(self) -> None:
         # docstring inherited
-        try:
-            await self._stragglers.drain()
-            if self._log.dirty and self._store.available:
-                await self._scanner.write_log(self.namespace)
-        except StoreUnavailable as exc:  # the next scan of another process does without
-            logger.warning("kvtiers: remote tier %r: access log not written: %s", self.name, exc)
-        finally:
-            await self._store.close()
-            await self._codec.close()
+        # NOTE: a scan or put batch in flight ends first: a scan's own log write would
+        # otherwise fail on the closed store after this one was skipped as not dirty.
+        async with self._write_lock:
+            try:
+                await self._stragglers.drain()
+                if self._log.dirty and self._store.available:
+                    await self._scanner.write_log(self.namespace)
+            except StoreUnavailable as exc:  # the next scan of another process does without
+                logger.warning(
+                    "kvtiers: remote tier %r: access log not written: %s", self.name, exc
+                )
+            finally:
+                await self._store.close()
+                await self._codec.close()
 
     # -- the contract ------------------------------------------------------------------
 
