@@ -2,6 +2,7 @@
 
 Run with the vLLM virtualenv's python: `python build_tiny_llama.py OUT_DIR [--layers N
 --hidden H] [--mla]` (2 layers of 256 by default; benchmarks ask for bigger ones). With
+`--sliding W` even layers attend to a window of W tokens (a hybrid model); with
 `--mla` the model is a dense DeepSeek-V2 instead (multi-head latent attention, the latent
 of 512 + 64 that vLLM's CPU MLA kernel requires); with `--blip2`, a tiny BLIP-2 (images in
 the prompt) with its image processor. Deterministic:
@@ -65,7 +66,9 @@ def _sentences(count: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) for _ in range(count)]
 
 
-def build(out: Path, layers: int = 2, hidden: int = 256, mla: bool = False) -> None:
+def build(
+    out: Path, layers: int = 2, hidden: int = 256, mla: bool = False, sliding: int = 0
+) -> None:
     import torch
     from transformers import PreTrainedTokenizerFast
 
@@ -79,7 +82,7 @@ def build(out: Path, layers: int = 2, hidden: int = 256, mla: bool = False) -> N
     fast.save_pretrained(out)
 
     torch.manual_seed(0)
-    model = _deepseek_v2(layers, hidden) if mla else _llama(layers, hidden)
+    model = _deepseek_v2(layers, hidden) if mla else _llama(layers, hidden, sliding)
     model.to(torch.bfloat16).save_pretrained(out)
 
 
@@ -165,9 +168,15 @@ def build_blip2(out: Path, query_tokens: int = 8) -> None:
     ).save_pretrained(out)
 
 
-def _llama(layers: int, hidden: int) -> Any:
+def _llama(layers: int, hidden: int, sliding: int = 0) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # NOTE: with `sliding`, even layers attend to the last `sliding` tokens only (vLLM's
+    # Llama reads `layer_types`): a hybrid model, two KV-cache groups in vLLM.
+    window: dict[str, Any] = {}
+    if sliding:
+        kinds = ("sliding_attention", "full_attention")
+        window = {"layer_types": [kinds[i % 2] for i in range(layers)], "sliding_window": sliding}
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
@@ -180,6 +189,7 @@ def _llama(layers: int, hidden: int) -> Any:
         bos_token_id=0,
         eos_token_id=1,
         torch_dtype="bfloat16",
+        **window,
     )
     return LlamaForCausalLM(config)
 
@@ -217,8 +227,9 @@ if __name__ == "__main__":
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--mla", action="store_true")
     parser.add_argument("--blip2", action="store_true")
+    parser.add_argument("--sliding", type=int, default=0, help="a window for even layers")
     args = parser.parse_args()
     if args.blip2:
         build_blip2(args.out)
     else:
-        build(args.out, args.layers, args.hidden, args.mla)
+        build(args.out, args.layers, args.hidden, args.mla, args.sliding)

@@ -169,6 +169,13 @@ def tiny_blip2(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return _tiny_model(vllm_python, tmp_path_factory, "tiny-blip2", "--blip2")
 
 
+@pytest.fixture(scope="session")
+def tiny_sliding(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama whose even layers attend to a 64-token window, built
+    offline: a hybrid model, two KV-cache groups in vLLM."""
+    return _tiny_model(vllm_python, tmp_path_factory, "tiny-sliding", "--sliding", "64")
+
+
 def scenario_env() -> dict[str, str]:
     """Return the environment of a scenario subprocess (no stray venv, quiet, 1 GiB KV)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

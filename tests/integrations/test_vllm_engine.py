@@ -254,6 +254,28 @@ def test_prompts_given_as_embeddings_are_keyed_by_them_and_reused(
     ]
 
 
+def test_a_hybrid_model_is_pooled_with_the_hybrid_manager_off_and_refused_with_it_on(
+    vllm_python, tiny_sliding, tmp_path
+):
+    """A model with sliding-window and full-attention layers (two KV-cache groups): with
+    vLLM's hybrid KV-cache manager on, the connector stops the engine at start-up saying
+    which flag to pass; with it off, every layer's KV is pooled and reloaded, and the
+    answers equal an engine without kvtiers (whose manager is on)."""
+    result = result_of(start(vllm_python, tiny_sliding, tmp_path, "sliding"))
+    assert "--disable-hybrid-kv-cache-manager" in result["hybrid_manager"]
+    assert "2 (hybrid attention)" in result["hybrid_manager"]
+    baseline = tokens(result["baseline"])
+    a = result["engine_a"]
+    assert tokens(a) == baseline
+    assert a[0]["cached"] == 0 and all(o["cached"] >= PREFIX for o in a[1:])
+    b = result["engine_b"]
+    assert tokens(b) == baseline
+    assert [o["cached"] for o in b] == [
+        min(n // 64 * 64, n - 1) for n in (o["prompt_tokens"] for o in b)
+    ]
+    assert result["engine_b_tier_hits"]["lmdb"] > 0
+
+
 def test_a_tiers_config_that_cannot_work_stops_the_engine_at_start_up(
     vllm_python, tiny_llama, tmp_path
 ):

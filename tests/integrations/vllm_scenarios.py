@@ -39,6 +39,8 @@ Scenarios:
   engine at start-up with the field named.
 - `multimodal`, `embeds`: prompts with images on a tiny BLIP-2, prompts given as
   embeddings (vllm_multimodal_scenario.py).
+- `sliding`: a hybrid model (a window on even layers): refused with vLLM's hybrid
+  KV-cache manager on, pooled with it off.
 """
 
 from __future__ import annotations
@@ -365,6 +367,29 @@ def scenario_mla(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
+def scenario_sliding(model: str, work: Path) -> dict[str, Any]:
+    """A hybrid model (`build_tiny_llama.py --sliding`): a window on even layers."""
+    prompts = make_prompts(seed=3)
+    result: dict[str, Any] = {}
+    base = Engine(model, None, prefix_caching=False)  # vLLM's hybrid KV-cache manager on
+    result["baseline"] = base.generate(prompts)
+    base.close()
+    try:
+        Engine(model, tiers(work), prefix_caching=False).close()
+        result["hybrid_manager"] = "accepted"
+    except Exception as exc:  # vLLM wraps the connector's error in its own
+        result["hybrid_manager"] = f"{type(exc).__name__}: {exc}"
+    flat = {"disable_hybrid_kv_cache_manager": True}
+    a = Engine(model, tiers(work), prefix_caching=False, **flat)
+    result["engine_a"] = [a.generate([p])[0] for p in prompts]  # one after another
+    a.close()
+    b = Engine(model, tiers(work), prefix_caching=False, **flat)
+    result["engine_b"] = b.generate(prompts)
+    result["engine_b_tier_hits"] = tier_hits(b.connector)
+    b.close()
+    return result
+
+
 def scenario_mla_tp2(model: str, work: Path) -> dict[str, Any]:
     """After `mla` (TP 1) stored its latents in LMDB: TP 2 engines on the same path."""
     bind_ranks(2)
@@ -646,6 +671,7 @@ def main() -> None:
             "multimodal",
             "embeds",
             "refused",
+            "sliding",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -696,6 +722,8 @@ def main() -> None:
         result = scenario_multimodal(args.model, args.work)
     elif args.scenario == "refused":
         result = scenario_refused(args.model, args.work)
+    elif args.scenario == "sliding":
+        result = scenario_sliding(args.model, args.work)
     elif args.scenario == "embeds":
         from vllm_multimodal_scenario import scenario_embeds
 
