@@ -4,7 +4,8 @@ The store reports no usage of one tier's chunks and evicts by itself when its se
 fill, so the tier bounds by capacity only the chunks this process knows to be in the pool
 (its writes and its hits), and evicts the least recently used of them to make room. The
 record may be wrong both ways: another process's chunk is in it only once read here, and
-a chunk the store dropped stays in it until a read or a `contains` misses it.
+a chunk the store dropped stays in it until a read, a `contains` or a `put` of it finds
+it gone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class KnownChunks:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
 
     def add(self, key: ChunkKey) -> None:
         """Record `key` as stored; a new key becomes the most recent."""

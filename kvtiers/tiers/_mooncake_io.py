@@ -29,6 +29,8 @@ from kvtiers.tiers._pool_options import MooncakeOptions
 __all__ = [
     "LOST",
     "NOT_FOUND",
+    "NOT_READY",
+    "NO_SPACE",
     "TOO_LARGE",
     "Region",
     "Staging",
@@ -41,6 +43,11 @@ NOT_FOUND = -704
 """The client's code for a key the store does not hold (OBJECT_NOT_FOUND)."""
 LOST = -800
 """The client's code for a failed transfer; for a read, mostly an object lost with its segment."""
+NOT_READY = -703
+"""The client's code for a key whose value is still being written (REPLICA_IS_NOT_READY)."""
+NO_SPACE = -200
+"""The client's code for a write the pool has no room for (NO_AVAILABLE_HANDLE): its
+segments are full (or smaller than the value), not failing."""
 TOO_LARGE = -600
 """The client's code for invalid parameters; for a read, a value larger than its buffer."""
 

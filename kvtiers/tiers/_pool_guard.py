@@ -11,8 +11,11 @@ Beside the guard, the parts of a batch both pool tiers share: key checks, the pl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,6 +31,8 @@ from kvtiers.tiers._remote_options import Redactor
 from kvtiers.tiers.base import Buffer, check_keys
 
 __all__ = [
+    "FullEpisodes",
+    "InFlight",
     "PutPlan",
     "StoreGuard",
     "StoreUnavailable",
@@ -40,6 +45,71 @@ __all__ = [
 logger = logging.getLogger("kvtiers")
 
 _T = TypeVar("_T")
+
+_REWARN_FULL = 300.0  # seconds between two warnings that a pool is full
+
+
+class InFlight:
+    """The calls of a tier running now, so that closing it waits for them.
+
+    A call that goes on after its tier closed would use a closed client (and, for redis,
+    give a connection back to a closed pool, where it stays open).
+    """
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Count one call in flight until the block ends."""
+        self._count += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._count -= 1
+            if not self._count:
+                self._idle.set()
+
+    async def ended(self) -> None:
+        """Return once no call is in flight."""
+        await self._idle.wait()
+
+
+class FullEpisodes:
+    """Writes a pool refused for lack of room: counted, and warned of once per episode.
+
+    A full pool answers; it is not failing, so the breaker stays closed and reads go on.
+    An episode ends with the next write the pool takes.
+
+    Args:
+        guard: the tier's guard, whose `counters.full` counts the refused chunks.
+        what: the tier, as messages name it (`"redis tier 'pool'"`).
+    """
+
+    def __init__(self, guard: StoreGuard, what: str) -> None:
+        self._guard, self._what = guard, what
+        self.active = False
+        self._warned_at = -math.inf
+
+    def refused(self, num_chunks: int, why: str) -> None:
+        """Count `num_chunks` refused; warn, saying `why`, if an episode starts."""
+        self._guard.counters.full += num_chunks
+        now = time.monotonic()
+        if not self.active and now - self._warned_at >= _REWARN_FULL:
+            self._warned_at = now
+            logger.warning(
+                "kvtiers: %s: %s; writes are declined until it has room", self._what, why
+            )
+        self.active = True
+
+    def took(self) -> None:
+        """Note a write the pool took: the episode, if any, ends."""
+        if self.active:
+            self.active = False
+            logger.debug("kvtiers: %s: the pool takes writes again", self._what)
 
 
 class StoreGuard:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from kvtiers.core.keys import ChunkKey
 from kvtiers.tiers._redis_answers import read_answers
@@ -53,6 +54,17 @@ class RedisRequests:
         """Queue the recency update of `names` (it answers the recency set's size)."""
         pipe.eval(TOUCH_SCRIPT, len(names) + 1, self.lru, *names, repr(time.time()))
 
+    async def max_value_bytes(self) -> int | None:
+        """Return the server's `proto-max-bulk-len`; `None` where it does not say.
+
+        Best effort: servers that refuse CONFIG (managed services, ACLs) say nothing.
+        """
+        try:
+            answer: dict[Any, Any] = await self.redis.config_get("proto-max-bulk-len")
+            return int(answer["proto-max-bulk-len"])
+        except (RedisError, OSError, KeyError, TypeError, ValueError):
+            return None
+
     async def count(self) -> int:
         """Return the recency set's size."""
         return int(await self.redis.zcard(self.lru))
@@ -81,7 +93,7 @@ class RedisRequests:
         if touch:  # not for a later wave of a layer-wise load: the first touched them
             self._touch(pipe, names)
         values, rest = read_answers(await pipe.execute(raise_on_error=False), len(names))
-        return values, int(rest[0]) if touch else None
+        return values, _count(rest) if touch else None
 
     async def read_ranges(
         self, keys: Sequence[ChunkKey], plan: LayerPlan, touch: bool
@@ -96,7 +108,7 @@ class RedisRequests:
             for name in names if self.ttl_ms else ():
                 pipe.pexpire(name, self.ttl_ms)  # a GET refreshes it with GETEX
         reads, rest = read_answers(await pipe.execute(raise_on_error=False), num_reads)
-        return self._ranges.split(reads, plan, planned), int(rest[0]) if touch else None
+        return self._ranges.split(reads, plan, planned), _count(rest) if touch else None
 
     async def write(
         self, keys: Sequence[ChunkKey], values: Sequence[bytes], max_entries: int
@@ -122,3 +134,8 @@ class RedisRequests:
         pipe.zcard(self.lru)
         *_, count = await pipe.execute()
         return int(count)
+
+
+def _count(rest: Sequence[Any]) -> int | None:
+    """Return the recency set's size a touch answered; `None` if it was refused."""
+    return None if rest[0] is None else int(rest[0])

@@ -15,18 +15,23 @@ The store's semantics, and what the tier makes of them:
 - objects vanish without notice (eviction when the pool fills; the death of the process
   whose memory held them): a read then finds nothing, or fails, and either is a miss;
 - a failed call looks like a miss; a call whose every key failed counts as a failure of
-  the store, and enough of them in a row open the circuit breaker (`_pool_guard`).
+  the store, and enough of them in a row open the circuit breaker (`_pool_guard`);
+- a write the pool has no room for (`NO_SPACE`: its segments full, or smaller than a
+  value) is declined and counted (`io_counters.full`), not a failure: reads go on.
 
 Capacity bounds the chunks this process knows to be in the pool (its writes and its hits),
 least recently used first (`_mooncake_catalog`); the pool's real bound is the memory its
-segments lend, beyond which the store evicts by itself.
+segments lend, beyond which the store evicts by itself. Since the store drops objects
+without notice, a `put` asks the store about the batch's known chunks before it reports
+them held, and writes again those it no longer has. `close` waits for the calls in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +45,9 @@ from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._mooncake_catalog import KnownChunks
 from kvtiers.tiers._mooncake_io import (
     LOST,
+    NO_SPACE,
     NOT_FOUND,
+    NOT_READY,
     TOO_LARGE,
     Staging,
     StoreCalls,
@@ -49,6 +56,8 @@ from kvtiers.tiers._mooncake_io import (
     setup_client,
 )
 from kvtiers.tiers._pool_guard import (
+    FullEpisodes,
+    InFlight,
     StoredValues,
     StoreGuard,
     StoreUnavailable,
@@ -61,6 +70,7 @@ from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all
 from kvtiers.tiers.base import Buffer, Tier
 
 __all__ = ["MooncakeOptions", "MooncakeTier"]
+
 
 _GROUP_BYTES = 64 * 2**20  # values per store call, at most (one value may be more)
 _MIN_BUFFER = 16 * 2**20  # the client's own transfer buffer, at least
@@ -117,6 +127,8 @@ class MooncakeTier(Tier):
         self._write_lock = asyncio.Lock()  # one put at a time: exact accounting
         self._connect_lock = asyncio.Lock()
         self._new_client: Callable[[], Any] = lambda: None
+        self._in_flight = InFlight()  # `close` waits for them
+        self._full = FullEpisodes(self._guard, f"mooncake tier {self.name!r}")
 
     @property
     def io_counters(self) -> IOCounters:
@@ -184,12 +196,20 @@ class MooncakeTier(Tier):
 
     async def _close(self) -> None:
         # docstring inherited
+        await self._in_flight.ended()  # NOTE: calls in flight use the client and the threads
         store, self._store = self._store, None
         calls, self._calls = self._calls, None
         if calls is not None:
             await calls.close()  # NOTE: first, so no call uses the client while it closes
         if store is not None:
             await asyncio.to_thread(store.close)
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Check that the tier is open; count the call in flight until it ends."""
+        self._ensure_open()
+        with self._in_flight.call():
+            yield
 
     @property
     def _io(self) -> StoreCalls:
@@ -200,44 +220,44 @@ class MooncakeTier(Tier):
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        store = await self._client() if keys else None
-        if store is None or self._guard.refuses():
-            self.counters.unavailable += bool(keys)
-            return [False] * len(keys)
-        names = [self._name(key) for key in keys]
-        try:
-            codes = await self._guard.call(lambda: self._io.batch(store.batch_is_exist, names))
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
-            return [False] * len(keys)
-        self.counters.errors += sum(code < 0 for code in codes)
-        for key, code in zip(keys, codes, strict=True):
-            if code == 0:
-                self._catalog.forget(key)
-        return [code == 1 for code in codes]
+        with self._running():
+            check_keys(keys)
+            store = await self._client() if keys else None
+            if store is None or self._guard.refuses():
+                self.counters.unavailable += bool(keys)
+                return [False] * len(keys)
+            names = [self._name(key) for key in keys]
+            try:
+                codes = await self._guard.call(lambda: self._io.batch(store.batch_is_exist, names))
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
+                return [False] * len(keys)
+            self.counters.errors += sum(code < 0 for code in codes)
+            for key, code in zip(keys, codes, strict=True):
+                if code == 0:
+                    self._catalog.forget(key)
+            return [code == 1 for code in codes]
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        self._check_buffers(keys, dsts)
-        store = await self._client() if keys else None
-        if store is None or self._guard.refuses():
-            self.counters.misses += len(keys)
-            self.counters.unavailable += bool(keys)
-            return [False] * len(keys)
-        per_call = self._per_call
-        found = await gather_all(
-            self._get_some(store, keys[i : i + per_call], dsts[i : i + per_call])
-            for i in range(0, len(keys), per_call)
-        )
-        hits, bad = tally_reads(self.counters, keys, found, self.layout.chunk_bytes)
-        self._catalog.note_reads(keys, hits)
-        if bad:
-            await self._remove(bad)
-        return hits
+        with self._running():
+            check_keys(keys)
+            self._check_buffers(keys, dsts)
+            store = await self._client() if keys else None
+            if store is None or self._guard.refuses():
+                self.counters.misses += len(keys)
+                self.counters.unavailable += bool(keys)
+                return [False] * len(keys)
+            per_call = self._per_call
+            found = await gather_all(
+                self._get_some(store, keys[i : i + per_call], dsts[i : i + per_call])
+                for i in range(0, len(keys), per_call)
+            )
+            hits, bad = tally_reads(self.counters, keys, found, self.layout.chunk_bytes)
+            self._catalog.note_reads(keys, hits)
+            if bad:
+                await self._remove(bad)
+            return hits
 
     async def _get_some(
         self, store: Any, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]
@@ -262,10 +282,12 @@ class MooncakeTier(Tier):
             ptrs = [region.address(i) for i in range(len(keys))]
             sizes = [self.value_bytes] * len(keys)
             get = store.batch_get_into
-            codes = await self._io.batch(get, names, ptrs, sizes, region=region)
+            # NOTE: a value another client is still writing is not there yet: a miss
+            answers = (NOT_FOUND, NOT_READY, TOO_LARGE)
+            codes = await self._io.batch(get, names, ptrs, sizes, region=region, answers=answers)
             verdicts: list[Verdict | None] = []
             for i, (key, code, dst) in enumerate(zip(keys, codes, dsts, strict=True)):
-                if code == NOT_FOUND:
+                if code in (NOT_FOUND, NOT_READY):
                     verdicts.append(None)
                 elif code == LOST:  # its segment is gone: remove it, so it can be rewritten
                     self.counters.errors += 1
@@ -280,20 +302,45 @@ class MooncakeTier(Tier):
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        self._check_buffers(keys, srcs)
-        plan = plan_put(keys, srcs)
-        order, held = plan.order, plan.held
-        async with self._write_lock:
-            new, victims = self._catalog.admit(order, held)
-            if victims:
-                self.counters.evictions += len(victims)
-                self._note_evicted(victims)
-                await self._remove(victims)
-            await self._put_new(new, plan.sources, held)
-        self.counters.declined += plan.num_declined
-        return plan.results(keys)
+        with self._running():
+            check_keys(keys)
+            self._check_buffers(keys, srcs)
+            plan = plan_put(keys, srcs)
+            order, held = plan.order, plan.held
+            async with self._write_lock:
+                await self._forget_lost(order)
+                new, victims = self._catalog.admit(order, held)
+                if victims:
+                    self.counters.evictions += len(victims)
+                    self._note_evicted(victims)
+                    await self._remove(victims)
+                await self._put_new(new, plan.sources, held)
+            self.counters.declined += plan.num_declined
+            return plan.results(keys)
+
+    async def _forget_lost(self, keys: Sequence[ChunkKey]) -> None:
+        """Forget the known chunks of `keys` that the store no longer holds.
+
+        The store drops objects without notice (eviction, a lost segment, a master
+        restarted empty); a known chunk it dropped must be written again, not reported
+        held. Where the store cannot answer, none of them is taken as held.
+        """
+        known = [key for key in keys if key in self._catalog]
+        if not known:
+            return
+        store = await self._client()
+        codes: list[int] = [0] * len(known)
+        if store is not None and not self._guard.refuses():
+            names = [self._name(key) for key in known]
+            try:
+                codes = await self._guard.call(
+                    lambda: self._io.batch(store.batch_is_exist, names, answers=())
+                )
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
+        for key, code in zip(known, codes, strict=True):
+            if code != 1:
+                self._catalog.forget(key)
 
     async def _put_new(
         self, keys: list[ChunkKey], sources: dict[ChunkKey, Buffer], held: dict[ChunkKey, bool]
@@ -332,6 +379,7 @@ class MooncakeTier(Tier):
                 self._catalog.add(key)
             self.counters.puts += len(stored)
             self.counters.bytes_written += len(stored) * self.layout.chunk_bytes
+            self._note_room(codes.count(NO_SPACE), bool(stored))
 
         async with self._staging.region(self.options.timeout) as region:
             for i, key in enumerate(keys):
@@ -343,15 +391,27 @@ class MooncakeTier(Tier):
             sizes = [self.value_bytes] * len(keys)
             put = store.batch_put_from
             await self._io.batch(
-                put, names, ptrs, sizes, self._replicate, region=region, on_done=record
+                put,
+                *(names, ptrs, sizes, self._replicate),
+                region=region,
+                on_done=record,
+                answers=(NOT_FOUND, TOO_LARGE, NO_SPACE),  # a full pool is not failing
             )
+
+    def _note_room(self, num_refused: int, stored: bool) -> None:
+        """Count writes the pool refused for lack of space (`FullEpisodes`)."""
+        if num_refused:
+            why = f"the pool of {self._guard.where} has no room for {num_refused} chunk(s)"
+            self._full.refused(num_refused, f"{why} of {self.value_bytes} bytes")
+        elif stored:
+            self._full.took()
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        if keys:
-            await self._remove(keys)
+        with self._running():
+            check_keys(keys)
+            if keys:
+                await self._remove(keys)
 
     async def _remove(self, keys: Sequence[ChunkKey]) -> None:
         """Remove `keys` from the store (forced: leases do not hold it up)."""
@@ -361,9 +421,10 @@ class MooncakeTier(Tier):
         if store is None or self._guard.refuses():
             return
         names = [self._name(key) for key in keys]
+        answers = (NOT_FOUND, NOT_READY)  # NOTE: a value being written: its write is later
         try:
             await self._guard.call(
-                lambda: self._io.batch(store.batch_remove, names, True, answers=(NOT_FOUND,))
+                lambda: self._io.batch(store.batch_remove, names, True, answers=answers)
             )
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)

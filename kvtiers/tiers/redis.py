@@ -15,15 +15,19 @@ is the usage. The server's own `maxmemory` eviction may still drop values (a mis
 set then forgets them on the next write of the key or by age.
 
 Every request is a pipeline behind the breaker of `_pool_guard`: while the server fails,
-calls return misses at once and `put` drops its chunks (counted); nothing raises.
+calls return misses at once and `put` drops its chunks (counted); nothing raises. A server
+out of memory (past `maxmemory` with a policy that does not evict, such as `noeviction`)
+is not failing: its writes are declined and counted (`io_counters.full`), reads go on.
+`close` waits for the calls in flight, so no connection is taken back after it.
 Keys name other keys from inside scripts, so the tier needs a standalone server (or a
 proxy that keeps one layout's keys on one shard), not Redis Cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -31,7 +35,7 @@ try:
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import RedisError
+    from redis.exceptions import OutOfMemoryError, RedisError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # the registry shows this as the reason the kind is unavailable
     raise ImportError(
@@ -45,6 +49,8 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierUsage
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._pool_guard import (
+    FullEpisodes,
+    InFlight,
     StoredValues,
     StoreGuard,
     StoreUnavailable,
@@ -61,6 +67,7 @@ from kvtiers.tiers._remote_options import Redactor, display_url
 from kvtiers.tiers.base import Buffer, Tier
 
 __all__ = ["RedisOptions", "RedisTier"]
+
 
 # Bytes of values one request (a put script, a pipeline of GETs) carries, at most (one value
 # may be more): the requests of a large batch run concurrently, over several connections.
@@ -123,6 +130,8 @@ class RedisTier(Tier):
             redact=Redactor({}, options.url),
         )
         self._num_entries = 0  # the recency set's size, as of the last request
+        self._in_flight = InFlight()  # `close` waits for them
+        self._full = FullEpisodes(self._guard, f"redis tier {self.name!r}")
 
     @property
     def io_counters(self) -> IOCounters:
@@ -149,14 +158,35 @@ class RedisTier(Tier):
             await self._guard.call(self._refresh_usage)
         except StoreUnavailable as exc:  # served as misses until the breaker lets a probe through
             self.counters.fail(timed_out=exc.timed_out)
+            return
+        limit = await self._io.max_value_bytes()
+        if limit is not None and limit < self.value_bytes:
+            await self._io.redis.aclose()
+            raise ConfigError(
+                f"{self.config.where}.max_value_bytes: {self._guard.where} accepts values of "
+                f"at most {format_size(limit)} ({limit} bytes, its proto-max-bulk-len); a "
+                f"stored chunk takes {self.value_bytes} bytes, and the server would drop the "
+                f"connection of every write; raise its proto-max-bulk-len, or use a smaller "
+                f"chunk_size"
+            )
 
     async def _refresh_usage(self) -> None:
         self._num_entries = await self._io.count()
 
     async def _close(self) -> None:
         # docstring inherited
+        # NOTE: calls in flight finish first: a connection they take back after the pool
+        # closed would stay open (and a write would be cut short).
+        await self._in_flight.ended()
         if self._io.client is not None:
             await self._io.client.aclose()
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Check that the tier is open; count the call in flight until it ends."""
+        self._ensure_open()
+        with self._in_flight.call():
+            yield
 
     @property
     def _redis(self) -> aioredis.Redis:
@@ -166,29 +196,29 @@ class RedisTier(Tier):
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        if not keys:
-            return []
-        if self._guard.refuses():
-            self.counters.unavailable += 1
-            return [False] * len(keys)
+        with self._running():
+            check_keys(keys)
+            if not keys:
+                return []
+            if self._guard.refuses():
+                self.counters.unavailable += 1
+                return [False] * len(keys)
 
-        try:
-            found, self._num_entries = await self._guard.call(
-                functools.partial(self._io.exists, keys)
-            )
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
-            return [False] * len(keys)
-        return found
+            try:
+                found, self._num_entries = await self._guard.call(
+                    functools.partial(self._io.exists, keys)
+                )
+            except StoreUnavailable as exc:
+                self.counters.fail(timed_out=exc.timed_out)
+                return [False] * len(keys)
+            return found
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        self._check_buffers(keys, dsts)
-        return await self._read_batches(keys, dsts, self._get_some, self.layout.chunk_bytes)
+        with self._running():
+            check_keys(keys)
+            self._check_buffers(keys, dsts)
+            return await self._read_batches(keys, dsts, self._get_some, self.layout.chunk_bytes)
 
     async def _read_batches(
         self,
@@ -255,13 +285,13 @@ class RedisTier(Tier):
         """
         if not self.layer_reads:
             return await super().get_layers(keys, layers, dsts, tally=tally)
-        self._ensure_open()
-        check_keys(keys)
-        self._check_buffers(keys, dsts)
-        plan = self._ranges.plan(layers)
-        read = functools.partial(self._layers_some, plan=plan, touch=tally)
-        hit_bytes = len(plan.layers) * self.layout.layer_bytes
-        return await self._read_batches(keys, dsts, read, hit_bytes, tally=tally)
+        with self._running():
+            check_keys(keys)
+            self._check_buffers(keys, dsts)
+            plan = self._ranges.plan(layers)
+            read = functools.partial(self._layers_some, plan=plan, touch=tally)
+            hit_bytes = len(plan.layers) * self.layout.layer_bytes
+            return await self._read_batches(keys, dsts, read, hit_bytes, tally=tally)
 
     async def _layers_some(
         self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer], *, plan: LayerPlan, touch: bool
@@ -286,29 +316,34 @@ class RedisTier(Tier):
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        self._check_buffers(keys, srcs)
-        plan = plan_put(keys, srcs)
-        order, sources, per_call = plan.order, plan.sources, self._per_call
-        for start in range(0, len(order), per_call):
-            batch = order[start : start + per_call]
-            try:
-                results = await self._guard.call(functools.partial(self._write, batch, sources))
-            except StoreUnavailable as exc:
-                self.counters.fail(timed_out=exc.timed_out)
-                self._guard.counters.dropped_writes += len(order) - start
-                break
-            plan.held.update(zip(batch, results, strict=True))
-            if not all(results):  # full: no deeper chunk is stored without this one
-                break
-        self.counters.declined += plan.num_declined
-        return plan.results(keys)
+        with self._running():
+            check_keys(keys)
+            self._check_buffers(keys, srcs)
+            plan = plan_put(keys, srcs)
+            order, sources, per_call = plan.order, plan.sources, self._per_call
+            for start in range(0, len(order), per_call):
+                batch = order[start : start + per_call]
+                try:
+                    results = await self._guard.call(functools.partial(self._write, batch, sources))
+                except StoreUnavailable as exc:
+                    self.counters.fail(timed_out=exc.timed_out)
+                    self._guard.counters.dropped_writes += len(order) - start
+                    break
+                plan.held.update(zip(batch, results, strict=True))
+                if not all(results):  # full: no deeper chunk is stored without this one
+                    break
+            self.counters.declined += plan.num_declined
+            return plan.results(keys)
 
     async def _write(self, keys: Sequence[ChunkKey], sources: dict[ChunkKey, Buffer]) -> list[bool]:
         """Store `keys` with one script call; return which are held after it."""
         values = [self._pack(key, sources[key]) for key in keys]
-        held, self._num_entries, evicted = await self._io.write(keys, values, self.max_entries)
+        try:
+            held, self._num_entries, evicted = await self._io.write(keys, values, self.max_entries)
+        except OutOfMemoryError as exc:  # an answer, not a failure: reads still work
+            self._out_of_memory(len(keys), exc)
+            return [False] * len(keys)
+        self._full.took()
         self.counters.evictions += len(evicted)
         self._note_evicted(evicted)
         written = sum(held)
@@ -316,16 +351,24 @@ class RedisTier(Tier):
         self.counters.bytes_written += written * self.layout.chunk_bytes
         return held
 
+    def _out_of_memory(self, num_chunks: int, exc: OutOfMemoryError) -> None:
+        """Count a write the server refused past its `maxmemory` (`FullEpisodes`)."""
+        why = (
+            f"{self._guard.where} is out of memory ({self._guard.describe(exc)}); give it a "
+            "maxmemory-policy that evicts, such as allkeys-lru"
+        )
+        self._full.refused(num_chunks, why)
+
     def _pack(self, key: ChunkKey, src: Buffer) -> bytes:
         payload = np.ascontiguousarray(src).reshape(-1)
         return self._values.pack(key, payload.data)
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
-        self._ensure_open()
-        check_keys(keys)
-        if keys:
-            await self._delete(keys)
+        with self._running():
+            check_keys(keys)
+            if keys:
+                await self._delete(keys)
 
     async def _delete(self, keys: Sequence[ChunkKey]) -> None:
         self._ranges.forget(keys)
