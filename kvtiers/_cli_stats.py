@@ -23,8 +23,15 @@ from kvtiers.core.errors import ConfigError, TierIOError
 
 __all__ = ["fetch_stats", "format_stats", "quantile", "to_json"]
 
-_LINE = re.compile(r"^(kvtiers_\w+?)(?:\{(.*)\})?\s+(\S+)$")
+# A sample: name, labels, value and an optional timestamp (which the text format allows).
+_LINE = re.compile(r"^(kvtiers_\w+?)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
+_ESCAPED = {"n": "\n"}  # a label value's escapes: \\, \" and \n
+# Keys of the result that hold its grouping, not a sample's value.
+_CACHE_KEYS = frozenset({"model", "tp_rank", "tiers", "evicted_from", "latency"})
+_TIER_KEYS = frozenset({"kind", "latency", "breaker"})
+_MAX_BYTES = 16 << 20  # read no more of a response than this
 _TIER_COLUMNS = ("hits", "misses", "puts", "evictions", "promotions", "errors", "corrupt")
 
 
@@ -38,9 +45,12 @@ def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
     url = _metrics_url(url)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
-            text = resp.read().decode("utf-8", "replace")
+            body = resp.read(_MAX_BYTES + 1)
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        raise TierIOError(f"cannot read {url}: {exc}") from exc
+        raise TierIOError(f"cannot read {url}: {_printable(str(exc))}") from exc
+    if len(body) > _MAX_BYTES:  # a cache serves kilobytes; this is something else
+        raise TierIOError(f"{url} serves more than {format_size(_MAX_BYTES)}: no cache's metrics")
+    text = body.decode("utf-8", "replace")
     caches: dict[tuple[str, str], dict[str, Any]] = {}
     for line in text.splitlines():
         match = _LINE.match(line)
@@ -56,6 +66,11 @@ def fetch_stats(url: str, *, timeout: float = 10.0) -> dict[str, Any]:
     for cache in out:
         cache["tiers"] = dict(cache["tiers"])
     return {"url": url, "caches": out}
+
+
+def _printable(text: str) -> str:
+    """Return `text` with control characters escaped, so that an error stays one line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _metrics_url(url: str) -> str:
@@ -89,7 +104,10 @@ def _add_sample(
 
     Side effects: adds the cache, keyed by (model, tp_rank), and its tier if missing.
     """
-    labels = dict(_LABEL.findall(raw_labels or ""))
+    labels = {
+        name: _ESCAPE.sub(lambda m: _ESCAPED.get(m[1], m[1]), value)
+        for name, value in _LABEL.findall(raw_labels or "")
+    }
     key = (labels.pop("model", ""), labels.pop("tp_rank", ""))
     cache = caches.setdefault(
         key, {"model": key[0], "tp_rank": key[1], "misses": {}, "tiers": defaultdict(dict)}
@@ -109,6 +127,8 @@ def _add_sample(
     elif name == "breaker_state":
         if value == 1.0:
             where["breaker"] = labels.get("state", "")
+    elif name in (_CACHE_KEYS if where is cache else _TIER_KEYS):
+        return  # no metric has that name; one that did would overwrite the grouping
     elif where is not cache:
         where[name] = value
     elif name == "misses":
@@ -130,11 +150,12 @@ def _add_latency(where: dict[str, Any], labels: dict[str, str], part: str, value
 def quantile(latency: dict[str, Any], q: float) -> float | None:
     """Return the upper bucket bound (seconds) of quantile `q` of one op.
 
-    `None` when nothing was recorded (or the count is not finite); `inf` past the last bound.
+    `None` when nothing was recorded (or the count is not a finite positive number); `inf`
+    past the last bound.
     """
     buckets = sorted((float(le), n) for le, n in latency.get("buckets", {}).items())
     total = buckets[-1][1] if buckets else 0.0
-    if not total or not math.isfinite(total):  # NaN or infinite counts rank nothing
+    if not (total > 0 and math.isfinite(total)):  # NaN, infinite or negative counts rank nothing
         return None
     return next(le for le, n in buckets if n >= q * total)
 
@@ -188,7 +209,7 @@ def _cache_lines(cache: dict[str, Any], url: str) -> list[str]:
             + ")"
         )
     lines = [
-        f"{cache['model']} (tp_rank {cache['tp_rank']}) at {url}",
+        f"{_printable(cache['model'])} (tp_rank {_printable(cache['tp_rank'])}) at {url}",
         f"  lookups {cache.get('lookups', 0):,.0f}, hit rate {rate} "
         f"({hit:,.0f} of {asked:,.0f} tokens)",
         f"  loads {cache.get('loads', 0):,.0f} ({_size(loaded)}{speed}), "

@@ -12,12 +12,17 @@ a config that asks for metrics logs one warning and the cache runs without an en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import socket
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Iterator
+from socketserver import ThreadingMixIn
 from types import TracebackType
 from typing import Any, NamedTuple, Self
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from kvtiers.core.config import MetricsConfig
 from kvtiers.core.errors import ConfigError
@@ -44,6 +49,7 @@ _CACHE_COUNTERS = {
 _TIER_SKIP = {"name", "kind", "usage", "latency", "breaker", "io"}
 _BREAKER_STATES = ("closed", "open", "half_open")
 _SCRAPE_TIMEOUT_S = 5.0
+_IDLE_TIMEOUT_S = 30.0  # a connection that sends or reads nothing for this long is dropped
 
 
 def metric_families(stats: CacheStats, labels: dict[str, str]) -> Iterator[Any]:
@@ -190,19 +196,23 @@ class _Collector:
         self._first = first
         self._lock = threading.Lock()
         self._more: dict[Hashable, _Source] = {}
+        self._warned: set[Hashable] = set()
 
     def add(self, key: Hashable, source: _Source) -> None:
         with self._lock:
             self._more[key] = source
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: Hashable, source: _Source) -> None:
+        """Forget `key`, unless it was added again (with another source) meanwhile."""
         with self._lock:
-            self._more.pop(key, None)
+            if self._more.get(key) is source:
+                del self._more[key]
 
     def collect(self) -> Iterator[Any]:
         with self._lock:
             more = list(self._more.items())
         merged: dict[str, Any] = {}
+        served: set[tuple[tuple[str, str], ...]] = set()
         for key, source in [(None, self._first), *more]:
             try:
                 stats = _take(source)
@@ -214,8 +224,17 @@ class _Collector:
                 continue
             if stats is None:
                 if key is not None:
-                    self.remove(key)  # a closed cache leaves the endpoint
+                    self.remove(key, source)  # a closed cache leaves the endpoint
                 continue
+            # NOTE: two samples with one name and the same labels make the whole scrape
+            # invalid, so a cache with the labels of one served already is left out.
+            labels = tuple(sorted(source.labels.items()))
+            if labels in served:
+                if key not in self._warned:  # once per source (two at worst: no lock)
+                    self._warned.add(key)
+                    logger.warning("kvtiers: another cache is served under %s", source.labels)
+                continue
+            served.add(labels)
             for family in metric_families(stats, source.labels):
                 have = merged.setdefault(family.name, family)
                 if have is not family:
@@ -234,6 +253,66 @@ def _take(source: _Source) -> CacheStats | None:
         snapshot.close()
         return None
     return future.result(_SCRAPE_TIMEOUT_S)
+
+
+class _Handler(WSGIRequestHandler):
+    """Serve one scrape; log nothing."""
+
+    # NOTE: without a timeout a client that connects and then sends or reads nothing
+    # holds its thread and socket for as long as the process lives.
+    timeout = _IDLE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per connection; remembers open connections, so that closing drops them."""
+
+    daemon_threads = True
+
+    def __init__(self, family: int, address: tuple[str, int]) -> None:
+        self.address_family = family
+        self._guard = threading.Lock()
+        self._open: set[socket.socket] = set()
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._guard:
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._guard:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return  # the client timed out or went away: nothing to report
+        super().handle_error(request, client_address)
+
+    def drop_connections(self) -> None:
+        """Shut every open connection down, which ends the threads serving them."""
+        with self._guard:
+            connections = list(self._open)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+
+def _serve(config: MetricsConfig, app: Any) -> tuple[_Server, threading.Thread]:
+    """Start serving `app` on the configured address, in a daemon thread.
+
+    Raises:
+        OSError: the host does not resolve, or the address cannot be bound.
+    """
+    family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
+    server = _Server(family, (config.host, config.port))
+    server.set_app(app)
+    thread = threading.Thread(target=server.serve_forever, name="kvtiers-metrics", daemon=True)
+    thread.start()
+    return server, thread
 
 
 class MetricsServer:
@@ -258,7 +337,7 @@ class MetricsServer:
         self._snapshot = snapshot
         self._labels = labels
         self._collector: _Collector | None = None
-        self._server: Any = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
         """`http://host:port/metrics` once started; `None` when not serving."""
@@ -289,7 +368,7 @@ class MetricsServer:
 
     async def __aenter__(self) -> Self:
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry, make_wsgi_app
         except ImportError:
             logger.warning(
                 "kvtiers: metrics asked for, but prometheus-client is not installed "
@@ -301,14 +380,14 @@ class MetricsServer:
         collector = _Collector(first)
         registry.register(collector)
         try:
-            self._server, self._thread = start_http_server(
-                self.config.port, self.config.host, registry=registry
-            )
+            self._server, self._thread = _serve(self.config, make_wsgi_app(registry))
         except OSError as exc:  # a host that does not resolve, a port in use
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigError(f"metrics: cannot serve on {where}: {exc.strerror or exc}") from exc
         port = self._server.server_port
-        self.url = f"http://{self.config.host}:{port}/metrics"
+        host = self.config.host
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets
+        self.url = f"http://{host}:{port}/metrics"
         self._collector = collector
         logger.info("kvtiers: metrics on %s", self.url)
         return self
@@ -330,6 +409,7 @@ class MetricsServer:
             # scrape in flight waits on the loop for its snapshot.
             await asyncio.to_thread(server.shutdown)
             server.server_close()
+            server.drop_connections()
             if self._thread is not None:
                 await asyncio.to_thread(self._thread.join, 5.0)
         self.url = None
