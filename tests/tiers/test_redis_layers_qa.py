@@ -570,7 +570,13 @@ async def test_cache_load_with_the_server_killed_after_the_first_wave(
                 server.kill()
 
         got = await asyncio.wait_for(cache.load(tokens, out=out, on_layers=on_layers), HANG)
-        assert calls == [(1, 96), (3, 0), (8, 0)] and got.shape[2] == 0
+        # NOTE: the next wave's requests (one per batch of chunks) race the kill: on a busy
+        # machine a batch may be answered first, and its chunks are then delivered whole.
+        # What is delivered is exact (`watch`) and a prefix of whole chunks; the rest fails.
+        n = got.shape[2]
+        assert calls[0] == (1, 96) and calls[-1] == (8, n), calls
+        assert n < 96 and n % LAYOUT.chunk_size == 0, calls
+        assert same_bytes(got, kv[:, :, :n])
         assert cache.pin_count() == 0
         server.start()
         await asyncio.sleep(0.4)
