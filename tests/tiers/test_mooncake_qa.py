@@ -22,6 +22,7 @@ from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers._remote_breaker import BreakerState
 from kvtiers.tiers.mooncake import MooncakeTier
+from tests.tiers._pool_callers import neighbours_stay_apart, overlapping_callers, same
 from tests.tiers.servers import (
     MooncakeCluster,
     mooncake_cluster,
@@ -33,14 +34,6 @@ from tests.tiers.test_mooncake import LAYOUT, dsts, keys, make_tier, payloads
 __all__ = ["mooncake_cluster", "own_mooncake_cluster"]  # fixtures, imported to be found here
 
 HANG = 60  # seconds: a guard against hangs, never a timing assertion
-
-
-def same(srcs: list[np.ndarray], outs: list[np.ndarray], hits: list[bool]) -> bool:
-    """Return whether every hit holds its source and every miss is untouched."""
-    return all(
-        np.array_equal(s, d) if hit else not d.any()
-        for s, d, hit in zip(srcs, outs, hits, strict=True)
-    )
 
 
 async def test_close_waits_for_calls_in_flight(mooncake_cluster: MooncakeCluster) -> None:
@@ -119,18 +112,7 @@ async def test_others_prefixes_and_layouts_are_never_served_nor_removed(
     prefix_b = make_tier(mooncake_cluster.master, num_chunks=4)
     ks = keys(8, seed=4)
     async with ours, layout_b, prefix_b:
-        mine, theirs, third = payloads(8, seed=1), payloads(8, seed=2), payloads(8, seed=3)
-        assert await layout_b.put(ks[:4], theirs[:4]) == [True] * 4
-        assert await prefix_b.put(ks[:4], third[:4]) == [True] * 4
-        out = dsts(4)
-        assert await ours.get(ks[:4], out) == [False] * 4 and not any(o.any() for o in out)
-        for i in range(0, 8, 2):  # evicts its own chunks only
-            assert await ours.put(ks[i : i + 2], mine[i : i + 2]) == [True, True]
-        assert sorted(ours.take_evicted()) == sorted(ks[:4])
-        for tier, srcs in ((layout_b, theirs), (prefix_b, third)):
-            out = dsts(4)
-            assert await tier.get(ks[:4], out) == [True] * 4 and same(srcs[:4], out, [True] * 4)
-        assert ours.counters.corrupt == ours.counters.foreign == 0
+        await neighbours_stay_apart(ours, layout_b, prefix_b, ks, payloads, dsts)
 
 
 _OTHER_PROCESS = """
@@ -190,26 +172,8 @@ async def test_many_concurrent_callers_on_overlapping_keys(
     mooncake_cluster: MooncakeCluster,
 ) -> None:
     ks, srcs = keys(32, seed=8), payloads(32, seed=8)
-    by_key = dict(zip(ks, srcs, strict=True))
     async with make_tier(mooncake_cluster.master, num_chunks=24, max_in_flight=2) as tier:
-
-        async def caller(seed: int) -> None:
-            rng = np.random.default_rng(seed)
-            for _ in range(12):
-                pick = [ks[i] for i in rng.choice(32, size=6, replace=False)]
-                op = rng.integers(4)
-                if op == 0:
-                    await tier.put(pick, [by_key[k] for k in pick])
-                elif op == 1:
-                    out = dsts(6)
-                    hits = await tier.get(pick, out)
-                    assert same([by_key[k] for k in pick], out, hits)
-                elif op == 2:
-                    await tier.contains(pick)
-                else:
-                    await tier.delete(pick[:1])
-
-        await asyncio.wait_for(asyncio.gather(*(caller(s) for s in range(24))), HANG)
+        await overlapping_callers(tier, ks, srcs, dsts, hang_s=HANG)
         assert tier.usage().num_entries <= 24
         # NOTE: a forced remove may free a value's memory under a read of it, which then
         # reads whatever the store put there next: a foreign or corrupt miss, never served

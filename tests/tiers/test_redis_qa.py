@@ -20,6 +20,7 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers._remote_breaker import BreakerState
+from tests.tiers._pool_callers import neighbours_stay_apart, overlapping_callers, same
 from tests.tiers.servers import RedisServer, own_redis_server, redis_server, unique_prefix
 from tests.tiers.test_redis import LAYOUT, VALUE_BYTES, dsts, keys, make_tier, payloads
 
@@ -32,14 +33,6 @@ from kvtiers.tiers.redis import RedisTier  # noqa: E402 - needs redis-py
 __all__ = ["own_redis_server", "redis_server"]  # fixtures, imported to be found here
 
 HANG = 60  # seconds: a guard against hangs, never a timing assertion
-
-
-def same(srcs: list[np.ndarray], outs: list[np.ndarray], hits: list[bool]) -> bool:
-    """Return whether every hit holds its source and every miss is untouched."""
-    return all(
-        np.array_equal(s, d) if hit else not d.any()
-        for s, d, hit in zip(srcs, outs, hits, strict=True)
-    )
 
 
 async def num_clients(url: str) -> int:
@@ -125,19 +118,7 @@ async def test_others_prefixes_layouts_and_keys_are_never_served_nor_deleted(
     await admin.mset(planted)
     ks = keys(8, seed=4)
     async with ours, layout_b, prefix_b:
-        mine, theirs, third = payloads(8, seed=1), payloads(8, seed=2), payloads(8, seed=3)
-        assert await layout_b.put(ks[:4], theirs[:4]) == [True] * 4
-        assert await prefix_b.put(ks[:4], third[:4]) == [True] * 4
-        out = dsts(4)
-        assert await ours.get(ks[:4], out) == [False] * 4 and not any(o.any() for o in out)
-        for i in range(0, 8, 2):  # evicts its own chunks only
-            assert await ours.put(ks[i : i + 2], mine[i : i + 2]) == [True, True]
-        assert ours.counters.evictions == 4
-        assert sorted(ours.take_evicted()) == sorted(ks[:4])
-        for tier, srcs in ((layout_b, theirs), (prefix_b, third)):
-            out = dsts(4)
-            assert await tier.get(ks[:4], out) == [True] * 4 and same(srcs[:4], out, [True] * 4)
-        assert ours.counters.corrupt == ours.counters.foreign == 0
+        await neighbours_stay_apart(ours, layout_b, prefix_b, ks, payloads, dsts)
     for name, value in planted.items():
         assert await admin.get(name) == value
     await admin.aclose()
@@ -201,26 +182,8 @@ async def test_two_processes_share_one_capacity(redis_server: RedisServer) -> No
 
 async def test_many_concurrent_callers_on_overlapping_keys(redis_server: RedisServer) -> None:
     ks, srcs = keys(32, seed=8), payloads(32, seed=8)
-    by_key = dict(zip(ks, srcs, strict=True))
     async with make_tier(redis_server.url, num_chunks=24, max_connections=4) as tier:
-
-        async def caller(seed: int) -> None:
-            rng = np.random.default_rng(seed)
-            for _ in range(12):
-                pick = [ks[i] for i in rng.choice(32, size=6, replace=False)]
-                op = rng.integers(4)
-                if op == 0:
-                    await tier.put(pick, [by_key[k] for k in pick])
-                elif op == 1:
-                    out = dsts(6)
-                    hits = await tier.get(pick, out)
-                    assert same([by_key[k] for k in pick], out, hits)
-                elif op == 2:
-                    await tier.contains(pick)
-                else:
-                    await tier.delete(pick[:1])
-
-        await asyncio.wait_for(asyncio.gather(*(caller(s) for s in range(24))), HANG)
+        await overlapping_callers(tier, ks, srcs, dsts, hang_s=HANG)
         await tier.contains(ks[:1])
         assert tier.usage().num_entries <= 24
         assert tier.counters.corrupt == tier.counters.foreign == tier.counters.errors == 0
