@@ -6,11 +6,12 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import pytest
 
 from kvtiers.core.keys import ChunkKey
 from kvtiers.tiers.base import Tier
 
-__all__ = ["neighbours_stay_apart", "overlapping_callers", "same"]
+__all__ = ["close_during_calls", "neighbours_stay_apart", "overlapping_callers", "same"]
 
 
 def same(srcs: Sequence[np.ndarray], outs: Sequence[np.ndarray], hits: Sequence[bool]) -> bool:
@@ -78,3 +79,30 @@ async def neighbours_stay_apart(
         out = dsts(4)
         assert await tier.get(ks[:4], out) == [True] * 4 and same(srcs[:4], out, [True] * 4)
     assert ours.counters.corrupt == ours.counters.foreign == 0
+
+
+async def close_during_calls(
+    tier: Tier,
+    keys: Callable[..., list[ChunkKey]],
+    payloads: Callable[..., list[np.ndarray]],
+    dsts: Callable[[int], list[np.ndarray]],
+) -> None:
+    """Close the open `tier` (of 256 chunks at least) while gets, puts and a contains run:
+    the close waits for them, each ends as it would have, and later calls are refused."""
+    ks, srcs = keys(64, seed=3), payloads(64)
+    assert await tier.put(ks, srcs) == [True] * 64
+    outs = [dsts(64) for _ in range(12)]
+    gets = [asyncio.ensure_future(tier.get(ks, out)) for out in outs]
+    more = [keys(8, seed=50 + i) for i in range(6)]
+    puts = [asyncio.ensure_future(tier.put(k, payloads(8, seed=i))) for i, k in enumerate(more)]
+    contains = asyncio.ensure_future(tier.contains(ks))
+    await asyncio.sleep(0)  # every call has started
+    await tier.close()
+    assert all(task.done() for task in [*gets, *puts, contains])  # close waited for them
+    for task, out in zip(gets, outs, strict=True):
+        assert task.result() == [True] * 64 and same(srcs, out, task.result())
+    assert all(task.result() == [True] * 8 for task in puts)
+    assert contains.result() == [True] * 64
+    assert tier.io_counters.failures == 0 and tier.counters.errors == 0
+    with pytest.raises(Exception, match="closed"):
+        await tier.get(ks[:1], dsts(1))

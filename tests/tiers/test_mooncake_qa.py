@@ -15,14 +15,18 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from kvtiers.core.config import TierConfig
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers._remote_breaker import BreakerState
 from kvtiers.tiers.mooncake import MooncakeTier
-from tests.tiers._pool_callers import neighbours_stay_apart, overlapping_callers, same
+from tests.tiers._pool_callers import (
+    close_during_calls,
+    neighbours_stay_apart,
+    overlapping_callers,
+    same,
+)
 from tests.tiers.servers import (
     MooncakeCluster,
     mooncake_cluster,
@@ -39,23 +43,7 @@ HANG = 60  # seconds: a guard against hangs, never a timing assertion
 async def test_close_waits_for_calls_in_flight(mooncake_cluster: MooncakeCluster) -> None:
     tier = make_tier(mooncake_cluster.master, num_chunks=256)
     await tier.open()
-    ks, srcs = keys(64, seed=3), payloads(64)
-    assert await tier.put(ks, srcs) == [True] * 64
-    outs = [dsts(64) for _ in range(12)]
-    gets = [asyncio.ensure_future(tier.get(ks, out)) for out in outs]
-    more = [keys(8, seed=50 + i) for i in range(6)]
-    puts = [asyncio.ensure_future(tier.put(k, payloads(8, seed=i))) for i, k in enumerate(more)]
-    contains = asyncio.ensure_future(tier.contains(ks))
-    await asyncio.sleep(0)  # every call has started
-    await tier.close()
-    assert all(task.done() for task in [*gets, *puts, contains])  # close waited for them
-    for task, out in zip(gets, outs, strict=True):
-        assert task.result() == [True] * 64 and same(srcs, out, task.result())
-    assert all(task.result() == [True] * 8 for task in puts)
-    assert contains.result() == [True] * 64
-    assert tier.io_counters.failures == 0 and tier.counters.errors == 0
-    with pytest.raises(Exception, match="closed"):
-        await tier.get(ks[:1], dsts(1))
+    await close_during_calls(tier, keys, payloads, dsts)
 
 
 async def test_a_pool_without_room_declines_writes_and_keeps_serving_reads(

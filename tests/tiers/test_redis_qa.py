@@ -20,7 +20,12 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers._remote_breaker import BreakerState
-from tests.tiers._pool_callers import neighbours_stay_apart, overlapping_callers, same
+from tests.tiers._pool_callers import (
+    close_during_calls,
+    neighbours_stay_apart,
+    overlapping_callers,
+    same,
+)
 from tests.tiers.servers import RedisServer, own_redis_server, redis_server, unique_prefix
 from tests.tiers.test_redis import LAYOUT, VALUE_BYTES, dsts, keys, make_tier, payloads
 
@@ -49,22 +54,8 @@ async def test_close_waits_for_calls_in_flight_and_leaves_no_connection_open(
 ) -> None:
     tier = make_tier(own_redis_server.url, num_chunks=256)
     await tier.open()
-    ks, srcs = keys(64, seed=3), payloads(64)
-    assert await tier.put(ks, srcs) == [True] * 64
-    outs = [dsts(64) for _ in range(12)]
-    gets = [asyncio.ensure_future(tier.get(ks, out)) for out in outs]
-    more = [keys(8, seed=50 + i) for i in range(6)]
-    puts = [asyncio.ensure_future(tier.put(k, payloads(8, seed=i))) for i, k in enumerate(more)]
-    await asyncio.sleep(0)  # every call has started
-    await tier.close()
-    assert all(task.done() for task in gets + puts)  # close waited for them
-    for task, out in zip(gets, outs, strict=True):
-        assert task.result() == [True] * 64 and same(srcs, out, task.result())
-    assert all(task.result() == [True] * 8 for task in puts)
-    assert tier.io_counters.failures == 0 and tier.counters.errors == 0
+    await close_during_calls(tier, keys, payloads, dsts)
     assert await num_clients(own_redis_server.url) == 0  # none reopened behind the close
-    with pytest.raises(Exception, match="closed"):
-        await tier.get(ks[:1], dsts(1))
 
 
 async def test_a_server_out_of_memory_declines_writes_and_keeps_serving_reads(
