@@ -63,7 +63,9 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _engine(model: str, connector: dict[str, Any] | None, *, prefix_caching: bool = False) -> Any:
+def _engine(
+    model: str, connector: dict[str, Any] | None, *, prefix_caching: bool = False, **llm_args: Any
+) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -75,6 +77,7 @@ def _engine(model: str, connector: dict[str, Any] | None, *, prefix_caching: boo
         max_num_batched_tokens=4608,
         enable_prefix_caching=prefix_caching,
         kv_transfer_config=connector,
+        **llm_args,
     )
 
 
@@ -140,14 +143,14 @@ def _ttfts(
 
 def _fresh_each(
     model: str, connector: dict[str, Any], warmup: list[int], prompts: list[list[int]], *,
-    cold: bool,
+    cold: bool, **llm_args: Any,
 ) -> tuple[list[float], list[int]]:  # fmt: skip
     """One fresh engine per request: nothing of the previous request is in its memory.
 
     Each engine first answers `warmup` (stored too, so the load path is warm) untimed."""
     times, cached = [], []
     for prompt in prompts:
-        llm = _engine(model, connector)
+        llm = _engine(model, connector, **llm_args)
         _ttft(llm, warmup)
         t, c = _ttft(llm, prompt, cold=cold)
         _close(llm)
@@ -226,7 +229,7 @@ def _row(name: str, value: float, base: float, floor: float, notes: str, target:
                   f"{notes}; above floor {(value - floor) * 1e3:,.0f} ms")  # fmt: skip
 
 
-def build_model(work: Path, layers: int, hidden: int) -> tuple[Path, dict[str, str]]:
+def build_model(work: Path, layers: int, hidden: int, *flags: str) -> tuple[Path, dict[str, str]]:
     """Build the random-weight model in `work` under `.venv-vllm`; return it and the engines' env.
 
     Raises:
@@ -239,7 +242,7 @@ def build_model(work: Path, layers: int, hidden: int) -> tuple[Path, dict[str, s
     model = work / "model"
     subprocess.run(
         [str(VLLM_PYTHON), str(BUILDER), str(model), "--layers", str(layers),
-         "--hidden", str(hidden)],
+         "--hidden", str(hidden), *flags],
         check=True, capture_output=True,
     )  # fmt: skip
     env = {

@@ -3,6 +3,7 @@
 `load_from` reads a request's cached chunks layer-wise (`TieredCache.load` or
 `get_chunks` with `on_layers`) into the request's staging tensor; `Load` keeps what the
 waves reported, so `WorkerSide.wait_for_layer` knows which tokens of a layer are final.
+`store_from` stores a request's chunks from a given chunk on (a step's saves).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from kvtiers import TieredCache
 from kvtiers._streaming import OnLayers
 from kvtiers.integrations._vllm_plan import LoadSpec, Salt, SaveSpec
 
-__all__ = ["Load", "Save", "layer_order", "load_from"]
+__all__ = ["NULL_BLOCK", "Load", "Save", "layer_order", "live_blocks", "load_from", "store_from"]
+
+NULL_BLOCK = 0
+"""vLLM's null block: where a sliding-window group's block table points behind the
+window. It holds no request's KV and is never attended, so loads skip it."""
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -37,7 +42,8 @@ class Load:
 
     spec: LoadSpec
     staging: torch.Tensor
-    block_ids: torch.Tensor
+    block_ids: list[torch.Tensor]
+    """The spec's block ids per KV-cache group, on the KV's device."""
     future: concurrent.futures.Future[int]
     base: int
     """The request's token at the start of `staging`."""
@@ -51,6 +57,8 @@ class Load:
     gave_up: bool = False
     """The step's load deadline passed while waiting for it."""
     layers_done: set[int] = field(default_factory=set)
+    started: float = 0.0
+    """When the load was submitted (monotonic seconds; asynchronous loads' deadline)."""
 
     def tokens_of_layer(self, layer: int) -> int | None:
         """Return the request's tokens whose layer `layer` is final, if reported yet."""
@@ -66,7 +74,9 @@ class Save:
 
     spec: SaveSpec
     staging: torch.Tensor
-    block_ids: torch.Tensor
+    """KV of the tokens from `spec.start` on."""
+    block_ids: list[torch.Tensor]
+    """The spec's block ids per KV-cache group, on the KV's device."""
     layers_done: set[int] = field(default_factory=set)
 
 
@@ -93,3 +103,41 @@ async def load_from(
     found = await cache.get_chunks(keys[first:], dsts, parent=keys[first - 1], on_layers=on_layers)
     run = next((i for i, hit in enumerate(found) if not hit), len(found))
     return (first + run) * size
+
+
+async def store_from(
+    cache: TieredCache, tokens: Any, salt: Salt, first: int, staging: torch.Tensor
+) -> int:
+    """Store the chunks of `tokens` from chunk `first` on; `staging` holds their KV.
+
+    The chunks before `first` only key the stored ones (an earlier step saved them).
+
+    Returns:
+        Tokens stored: from the first chunk, those newly stored; from a later one, those
+        a tier holds after the call.
+    """
+    if first == 0:
+        return await cache.store(tokens, staging, salt=salt)
+    size = cache.layout.chunk_size
+    keys = cache.keys(tokens, salt=salt)
+    srcs = [staging.narrow(2, i * size, size) for i in range(len(keys) - first)]
+    held = await cache.put_chunks(keys[first:], srcs, parent=keys[first - 1])
+    return sum(held) * size
+
+
+def live_blocks(
+    block_ids: torch.Tensor, src: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return `block_ids` without vLLM's null block, and the tokens of `src` for the rest.
+
+    Args:
+        block_ids: int64 block ids in token order.
+        src: KV of their tokens, `(lead, len(block_ids) * block_size, ...)`.
+    """
+    keep = (block_ids != NULL_BLOCK).nonzero().flatten()
+    if keep.numel() == block_ids.numel():
+        return block_ids, src
+    lead, rest = src.shape[0], src.shape[2:]
+    blocks = src.reshape(lead, block_ids.numel(), block_size, *rest)
+    kept = blocks.index_select(1, keep.to(src.device))
+    return block_ids[keep], kept.reshape(lead, keep.numel() * block_size, *rest)

@@ -23,13 +23,20 @@ __all__ = [
     "ConnectorSettings",
     "LoadSpec",
     "SaveSpec",
+    "GroupBlocks",
     "StepPlan",
     "chunk_size_for",
+    "max_chunk_for_window",
     "tokens_of",
     "tokens_to_bytes",
 ]
 
 Salt = str | bytes | None
+GroupBlocks = tuple[tuple[int, ...], ...]
+"""Block ids per KV-cache group (vLLM's hybrid KV-cache manager), in token order each.
+
+One group for most models; sliding-window groups hold vLLM's null block (id 0) where
+vLLM freed the blocks behind the window."""
 
 #: Tiers used when the extra config names none: one DRAM tier.
 DEFAULT_CONFIG: Mapping[str, Any] = {"tiers": [{"kind": "dram", "capacity": "2GiB"}]}
@@ -136,24 +143,48 @@ class ConnectorSettings:
         return DEFAULT_CONFIG if self.config is None else self.config
 
 
-def chunk_size_for(block_size: int, requested: int | None) -> int:
+def chunk_size_for(block_size: int, requested: int | None, window: int | None = None) -> int:
     """Return the chunk size: `requested`, or 256 when `block_size` divides it.
 
-    Otherwise the multiple of `block_size` nearest to 256 (at least one block).
+    Otherwise the multiple of `block_size` nearest to 256 (at least one block). With
+    sliding-window layers under vLLM's hybrid KV-cache manager (`window`: the smallest
+    window), a chunk is at most `max_chunk_for_window` tokens, so every block of a chunk
+    is still allocated in the step that completes the chunk (and saves it).
 
     Raises:
-        ConfigError: `requested` is not a multiple of `block_size`.
+        ConfigError: `requested` is not a multiple of `block_size`, or exceeds the
+            window's limit.
     """
+    limit = None if window is None else max_chunk_for_window(block_size, window)
     if requested is not None:
         if requested % block_size:
             raise ConfigError(
                 f"{_WHERE}.chunk_size: {requested} is not a multiple of vLLM's block size "
                 f"{block_size}"
             )
+        if limit is not None and requested > limit:
+            raise ConfigError(
+                f"{_WHERE}.chunk_size: {requested} exceeds {limit}, the most a model with a "
+                f"{window}-token sliding window allows under vLLM's hybrid KV-cache manager "
+                "(or pass --disable-hybrid-kv-cache-manager)"
+            )
         return requested
     if _PREFERRED_CHUNK % block_size == 0:
-        return _PREFERRED_CHUNK
-    return block_size * max(1, round(_PREFERRED_CHUNK / block_size))
+        chosen = _PREFERRED_CHUNK
+    else:
+        chosen = block_size * max(1, round(_PREFERRED_CHUNK / block_size))
+    return chosen if limit is None else min(chosen, limit)
+
+
+def max_chunk_for_window(block_size: int, window: int) -> int:
+    """Return the largest chunk whose blocks all live in the step that completes it.
+
+    vLLM frees a sliding-window block once every token of it is at least `window` tokens
+    behind the tokens computed so far; a chunk completed in a step began at most
+    `chunk - 1` tokens before that step's first token, so none of its blocks is freed if
+    `chunk <= window + block_size - 1`. At least one block.
+    """
+    return max(block_size, (window + block_size - 1) // block_size * block_size)
 
 
 def tokens_to_bytes(tokens: Any) -> bytes:
@@ -187,8 +218,8 @@ class LoadSpec:
     tokens: bytes
     """The cached prefix's token ids (int64 bytes), whole chunks, at least `end` tokens."""
     salt: Salt
-    block_ids: tuple[int, ...]
-    """The blocks of tokens `[start, end)`, in order."""
+    block_ids: GroupBlocks
+    """The blocks of tokens `[start, end)`, per KV-cache group."""
     start: int
     """First token to load; a multiple of the block size."""
     end: int
@@ -199,14 +230,17 @@ class LoadSpec:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Store the full chunks of `tokens`, whose KV sits in `block_ids`."""
+    """Store the full chunks of `tokens` from token `start` on; their KV is in `block_ids`."""
 
     req_id: str
     tokens: bytes
-    """Token ids (int64 bytes), a whole number of chunks."""
+    """Token ids (int64 bytes), a whole number of chunks (the chunks before `start` key
+    the saved ones)."""
     salt: Salt
-    block_ids: tuple[int, ...]
-    """The blocks of every token, in order."""
+    block_ids: GroupBlocks
+    """The blocks of tokens `[start, len(tokens))`, per KV-cache group."""
+    start: int = 0
+    """First token to store; a multiple of the chunk size."""
     finished: bool = False
     """The request has finished and its blocks wait for this save (reported via get_finished)."""
     origin: BlockOrigin | None = None

@@ -22,6 +22,7 @@ from kvtiers.integrations._vllm_handoff import Role, announce, announced_tokens
 from kvtiers.integrations._vllm_plan import (
     BlockOrigin,
     ConnectorSettings,
+    GroupBlocks,
     LoadSpec,
     SaveSpec,
     StepPlan,
@@ -78,6 +79,9 @@ class _Tracked:
     """When a lookup first found less than a producer announced."""
     next_lookup_at: float = 0.0
     """While waiting for announced KV: no new lookup before this time."""
+    load_failed: bool = False
+    """An asynchronous load of this request failed: it loads nothing more (vLLM recomputes
+    the whole request, and a lookup could find the same chunks again)."""
 
 
 class SchedulerSide:
@@ -94,6 +98,9 @@ class SchedulerSide:
         role: what the engine's `kv_role` lets the connector do (`kv_both` by default).
         multimodal: whether the engine names multimodal items by their content
             (`_vllm_prompt.items_hashed`); if not, requests with items are not keyed.
+        async_loads: load outside the forward pass (vLLM's hybrid KV-cache manager with
+            several KV-cache groups, where vLLM takes no block-level load errors): the
+            request waits for its load, and a failed load recomputes the whole request.
     """
 
     def __init__(
@@ -107,8 +114,10 @@ class SchedulerSide:
         *,
         role: Role | None = None,
         multimodal: bool = True,
+        async_loads: bool = False,
     ) -> None:
         self._settings = settings
+        self._async_loads = async_loads
         self._block = block_size
         self._multimodal = multimodal
         self._chunk = chunk_size
@@ -129,6 +138,7 @@ class SchedulerSide:
             "lookup_errors": 0,
             "planned_load_tokens": 0,
             "planned_save_tokens": 0,
+            "load_failed_requests": 0,
             "handoff_waits": 0,
             "handoff_arrived": 0,
             "handoff_wait_ms": 0,
@@ -169,8 +179,9 @@ class SchedulerSide:
         Side-effect free for vLLM: callable many times; the answer of a finished lookup is
         kept until blocks are allocated. `None` means 'ask again later' (a lookup is still
         running, e.g. on a slow shared tier, or the request waits for KV that a producer
-        announced and the lookups have not found yet). Loads are synchronous (layer by layer
-        in the forward pass), so the second value is always False.
+        announced and the lookups have not found yet). The second value says whether the
+        load is asynchronous: only with `async_loads`; otherwise loads run layer by layer
+        in the forward pass.
         """
         tracked = self._track(request)
         # NOTE: whole chunks are looked up, up to the whole prompt, but vLLM must compute
@@ -179,7 +190,7 @@ class SchedulerSide:
         # vLLM's own write of that token's KV comes after it in the layer's forward pass.
         whole = request.num_tokens // self._chunk * self._chunk
         limit = min(whole, request.num_tokens - 1)
-        if not tracked.eligible or limit <= num_computed_tokens:
+        if not tracked.eligible or tracked.load_failed or limit <= num_computed_tokens:
             return 0, False
         tracked.asked_computed = num_computed_tokens
         if tracked.answer is None:
@@ -192,7 +203,8 @@ class SchedulerSide:
                 return None, False
             tracked.answer = hit
             tracked.cached = max(tracked.cached, hit)
-        return max(0, min(tracked.answer, limit) - num_computed_tokens), False
+        offered = max(0, min(tracked.answer, limit) - num_computed_tokens)
+        return offered, self._async_loads and offered > 0
 
     def _keyed(self, tracked: _Tracked, limit: int) -> npt.NDArray[np.int64]:
         """Return the ids that key the first `limit` tokens of `tracked`'s request.
@@ -296,9 +308,15 @@ class SchedulerSide:
         return tracked.waiting_since + self._settings.handoff_wait_s
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
-        """Plan the load of the `num_external_tokens` tokens vLLM accepted."""
+        """Plan the load of the `num_external_tokens` tokens vLLM accepted.
+
+        Args:
+            request: the request.
+            block_ids: its blocks per KV-cache group, in token order.
+            num_external_tokens: tokens vLLM takes from kvtiers.
+        """
         tracked = self._track(request)
         answer, tracked.answer = tracked.answer, None
         if num_external_tokens <= 0 or answer is None:
@@ -313,7 +331,7 @@ class SchedulerSide:
             req_id=request.request_id,
             tokens=tokens_to_bytes(self._keyed(tracked, answer)),
             salt=tracked.salt,
-            block_ids=tuple(block_ids[start // self._block : end_block]),
+            block_ids=_cut(block_ids, start // self._block, end_block),
             start=start,
             end=end_block * self._block,
             origin=self._origin(request, answer),
@@ -326,16 +344,18 @@ class SchedulerSide:
     def build_plan(
         self,
         num_scheduled_tokens: dict[str, int],
-        block_ids_of: Callable[[str], Sequence[int] | None],
+        block_ids_of: Callable[[str], Sequence[Sequence[int]] | None],
     ) -> StepPlan:
         """Return this step's plan and start a new one.
 
-        A request's prompt is saved in the step that computes its last full chunk: its KV
-        is gathered layer by layer during that forward pass and stored in the background.
+        The prompt's chunks are saved step by step: each step saves the chunks that its
+        forward pass completes (their KV is gathered layer by layer during that pass and
+        stored in the background). So every block of a saved chunk is still allocated,
+        also where vLLM frees sliding-window blocks behind the window.
 
         Args:
             num_scheduled_tokens: tokens scheduled this step per request id.
-            block_ids_of: the block ids of a scheduled request (its first KV-cache group).
+            block_ids_of: the block ids of a scheduled request, per KV-cache group.
         """
         plan, self._plan = self._plan, StepPlan()
         for req_id, num_new in num_scheduled_tokens.items():
@@ -345,26 +365,37 @@ class SchedulerSide:
             request = tracked.request
             target = request.num_prompt_tokens // self._chunk * self._chunk
             done_after = request.num_computed_tokens + num_new
-            if target == 0 or tracked.cached >= target or done_after < target:
+            end = min(target, done_after // self._chunk * self._chunk)
+            start = tracked.cached
+            if end <= start:
                 continue
             block_ids = block_ids_of(req_id)
-            if block_ids is None or len(block_ids) * self._block < target:
+            if block_ids is None or any(len(ids) * self._block < end for ids in block_ids):
                 continue
             plan.saves.append(
                 SaveSpec(
                     req_id=req_id,
-                    tokens=tokens_to_bytes(self._keyed(tracked, target)),
+                    tokens=tokens_to_bytes(self._keyed(tracked, end)),
                     salt=tracked.salt,
-                    block_ids=tuple(block_ids[: target // self._block]),
-                    origin=self._origin(request, target),
+                    block_ids=_cut(block_ids, start // self._block, end // self._block),
+                    start=start,
+                    origin=self._origin(request, end),
                 )
             )
-            tracked.cached = target
-            self._count("planned_save_tokens", target)
+            tracked.cached = end
+            self._count("planned_save_tokens", end - start)
         return plan
 
+    def load_failed(self, req_ids: set[str]) -> None:
+        """Note asynchronous loads that failed: those requests load nothing more."""
+        for req_id in req_ids:
+            tracked = self._reqs.get(req_id)
+            if tracked is not None and not tracked.load_failed:
+                tracked.load_failed = True
+                self._count("load_failed_requests")
+
     def request_finished(
-        self, request: Any, block_ids: Sequence[int]
+        self, request: Any, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Forget `request`; return whether its blocks must wait for a save, and its params.
 
@@ -382,13 +413,17 @@ class SchedulerSide:
         params = announce(tracked.cached) if self._role.announces and tracked.cached else None
         return delay, params
 
-    def _save_finished(self, request: Any, tracked: _Tracked, block_ids: Sequence[int]) -> bool:
+    def _save_finished(
+        self, request: Any, tracked: _Tracked, block_ids: Sequence[Sequence[int]]
+    ) -> bool:
         """Plan the save of a finished request's generated chunks; return whether planned."""
         if not self._settings.store_generated or not self._role.saves:
             return False
         target = request.num_computed_tokens // self._chunk * self._chunk
-        target = min(target, len(block_ids) * self._block // self._chunk * self._chunk)
-        if target <= tracked.cached:
+        held = min((len(ids) for ids in block_ids), default=0) * self._block
+        target = min(target, held // self._chunk * self._chunk)
+        start = tracked.cached
+        if target <= start:
             return False
         tracked.cached = target
         self._plan.saves.append(
@@ -396,12 +431,13 @@ class SchedulerSide:
                 req_id=request.request_id,
                 tokens=tokens_to_bytes(self._keyed(tracked, target)),
                 salt=tracked.salt,
-                block_ids=tuple(block_ids[: target // self._block]),
+                block_ids=_cut(block_ids, start // self._block, target // self._block),
+                start=start,
                 finished=True,
                 origin=self._origin(request, target),
             )
         )
-        self._count("planned_save_tokens", target)
+        self._count("planned_save_tokens", target - start)
         return True
 
     def _origin(self, request: Any, num_tokens: int) -> BlockOrigin | None:
@@ -420,3 +456,8 @@ class SchedulerSide:
             for name in self._counts:
                 self._counts[name] = 0
         return counts
+
+
+def _cut(block_ids: Sequence[Sequence[int]], first: int, end: int) -> GroupBlocks:
+    """Return blocks `[first, end)` of every KV-cache group."""
+    return tuple(tuple(ids[first:end]) for ids in block_ids)

@@ -11,12 +11,12 @@ It imports vLLM; `import kvtiers` never imports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.v1 import kv_cache_interface
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._vllm_kv import PagedLayout, detect_layout
@@ -34,23 +34,46 @@ class Topology:
     """Pipeline stages; each holds some layers."""
     dp_rank: int
     """This engine's data-parallel rank (each DP rank is an engine of its own)."""
+    window: int | None = None
+    """The smallest sliding window of a KV-cache group (vLLM's hybrid KV-cache manager
+    frees blocks behind it); `None` when every group keeps all its tokens."""
+    layer_groups: dict[str, int] = field(default_factory=dict)
+    """The KV-cache group of each layer, by name, with more than one group."""
 
     @classmethod
     def of(cls, vllm_config: Any, kv_cache_config: Any, *, store_generated: bool) -> Topology:
         """Return the engine's topology.
 
         Raises:
-            ValueError: the model has hybrid or non-full attention, the engine uses
-                context parallelism (no rank holds whole chunks), or generated tokens are
-                to be stored from KV that vLLM frees during decoding (R-SWA).
+            ValueError: the model has KV-cache groups the connector cannot pool (other
+                than full attention and sliding windows), the engine uses context
+                parallelism (no rank holds whole chunks), or generated tokens are to be
+                stored from KV that vLLM frees during decoding (R-SWA, sliding windows).
         """
-        _check_supported(vllm_config, kv_cache_config, store_generated=store_generated)
+        window = _check_supported(vllm_config, kv_cache_config, store_generated=store_generated)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        layer_groups = (
+            {name: g for g, group in enumerate(groups) for name in group.layer_names}
+            if len(groups) > 1
+            else {}
+        )
         parallel = vllm_config.parallel_config
         return cls(
             tp_size=int(parallel.tensor_parallel_size),
             pp_size=int(parallel.pipeline_parallel_size),
             dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+            window=window,
+            layer_groups=layer_groups,
         )
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether vLLM's hybrid KV-cache manager frees blocks or splits the layers.
+
+        Then loads are asynchronous (vLLM takes no block-level load errors with several
+        groups) and a chunk is at most `max_chunk_for_window` tokens.
+        """
+        return self.window is not None or bool(self.layer_groups)
 
     @property
     def num_ranks(self) -> int:
@@ -108,23 +131,43 @@ class Topology:
         return paged, layout
 
 
-def _check_supported(vllm_config: Any, kv_cache_config: Any, *, store_generated: bool) -> None:
+def _check_supported(
+    vllm_config: Any, kv_cache_config: Any, *, store_generated: bool
+) -> int | None:
+    """Refuse what the connector cannot pool; return the smallest sliding window, if any."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    if len(groups) > 1:
+    specs = [getattr(group, "kv_cache_spec", None) for group in groups]
+    windows: list[int] = []
+    for spec in specs:
+        if spec is None or isinstance(spec, FullAttentionSpec):
+            continue
+        if type(spec) is SlidingWindowSpec:
+            # NOTE: vLLM frees the blocks behind a window as a request advances, so the
+            # connector saves each chunk in the step that completes it (its blocks are
+            # all live then) and loads skip the freed ones.
+            windows.append(int(spec.sliding_window))
+            continue
         raise ValueError(
-            "KVTiersConnector handles models with one KV-cache group; this model has "
-            f"{len(groups)} (hybrid attention). Pass --disable-hybrid-kv-cache-manager."
+            "KVTiersConnector pools full-attention and sliding-window KV, not "
+            f"{type(spec).__name__}; pass --disable-hybrid-kv-cache-manager"
         )
-    spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
-    if spec is not None and not isinstance(spec, FullAttentionSpec):
-        # NOTE: vLLM frees blocks that slide out of a window, so a saved prefix would hold
-        # garbage; with the hybrid manager off, vLLM keeps every token's KV.
+    if windows and store_generated:
+        # NOTE: generated tokens' window blocks are freed while decoding, before the
+        # finished request's save could read them.
         raise ValueError(
-            f"KVTiersConnector needs full-attention KV, not {type(spec).__name__}; pass "
-            "--disable-hybrid-kv-cache-manager"
+            "KVTiersConnector cannot store generated tokens of a sliding-window model "
+            "under vLLM's hybrid KV-cache manager (vLLM frees their KV while decoding); "
+            "set store_generated = false or pass --disable-hybrid-kv-cache-manager"
+        )
+    block_sizes = {int(spec.block_size) for spec in specs if spec is not None}
+    block_sizes.add(int(vllm_config.cache_config.block_size))
+    if len(block_sizes) > 1:
+        raise ValueError(
+            "KVTiersConnector needs vLLM's block size in every KV-cache group, got "
+            f"{sorted(block_sizes)}; pass --disable-hybrid-kv-cache-manager"
         )
     rswa = getattr(kv_cache_interface, "RSWASpec", None)
-    if store_generated and rswa is not None and isinstance(spec, rswa):
+    if store_generated and rswa is not None and any(isinstance(s, rswa) for s in specs):
         # NOTE: R-SWA keeps every prompt token's KV but frees generated tokens' blocks
         # that fall out of its window while decoding, so at the end they hold other KV.
         raise ValueError(
@@ -137,6 +180,7 @@ def _check_supported(vllm_config: Any, kv_cache_config: Any, *, store_generated:
             # NOTE: context parallelism splits a request's tokens across ranks, so no rank
             # holds whole chunks.
             raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
+    return min(windows) if windows else None
 
 
 def _tp_rank() -> int:

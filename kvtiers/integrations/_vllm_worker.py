@@ -15,6 +15,12 @@ neither vLLM's blocks nor its forward pass wait for a tier. Every failure is log
 counted, and becomes a miss (loads: the blocks are reported to vLLM, which recomputes
 them).
 
+Under vLLM's hybrid KV-cache manager (sliding-window layers beside full-attention ones)
+each layer moves through the blocks of its KV-cache group, and loads are asynchronous:
+vLLM takes no block-level load errors with several groups, so the request waits while its
+chunks are read, `take_loads` writes every layer at once (skipping the null blocks behind
+a window) and reports the request received, or failed, which vLLM recomputes whole.
+
 vLLM objects are not imported here; the connector passes tensors and plans.
 """
 
@@ -33,9 +39,17 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._vllm_kv import PagedLayout
-from kvtiers.integrations._vllm_loads import Load, Save, layer_order, load_from
+from kvtiers.integrations._vllm_loads import (
+    Load,
+    Save,
+    layer_order,
+    live_blocks,
+    load_from,
+    store_from,
+)
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
+    GroupBlocks,
     StepPlan,
     tokens_of,
 )
@@ -54,6 +68,8 @@ class WorkerSide:
         layers: vLLM's KV tensors by layer name, as `register_kv_caches` gave them.
         paged: their layout.
         layout: the kvtiers layout (this rank's shard).
+        groups: the KV-cache group of each layer, by name (none: one group).
+        async_loads: load outside the forward pass (`take_loads`), whole requests.
     """
 
     def __init__(
@@ -63,11 +79,17 @@ class WorkerSide:
         layers: dict[str, torch.Tensor],
         paged: PagedLayout,
         layout: KVLayout,
+        groups: dict[str, int] | None = None,
+        async_loads: bool = False,
     ) -> None:
         self._settings = settings
         self._entry = entry
         self._names = layer_order(list(layers))
         self._index = {name: i for i, name in enumerate(self._names)}
+        self._group = [(groups or {}).get(name, 0) for name in self._names]
+        """The KV-cache group of each layer, in model order."""
+        self._async_loads = async_loads
+        self._waiting: list[Load] = []  # asynchronous loads in flight
         self._layers = layers
         self._paged = paged
         self.layout = layout
@@ -89,6 +111,9 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------
 
+    def _ids(self, block_ids: GroupBlocks) -> list[torch.Tensor]:
+        return [torch.tensor(ids, dtype=torch.int64, device=self._device) for ids in block_ids]
+
     def start_load(self, plan: StepPlan) -> None:
         """Start loading every request of the plan (returns at once)."""
         cache, loop = self._entry.cache, self._entry.loop
@@ -101,7 +126,7 @@ class WorkerSide:
                 dtype=torch_dtype(self.layout),
                 pin_memory=self._copies.is_cuda,  # copies to the device that do not block
             )
-            ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
+            ids = self._ids(spec.block_ids)
             waves: list[tuple[int, int]] = []
             report = functools.partial(self._wave_arrived, waves)
             try:
@@ -111,7 +136,8 @@ class WorkerSide:
                 future = concurrent.futures.Future()
                 future.set_exception(RuntimeError("kvtiers loop unavailable"))
             future.add_done_callback(self._load_ended)
-            self._loads.append(Load(spec, staging, ids, future, first * chunk, waves))
+            job = Load(spec, staging, ids, future, first * chunk, waves, started=time.monotonic())
+            (self._waiting if self._async_loads else self._loads).append(job)
 
     def _wave_arrived(self, waves: list[tuple[int, int]], num_layers: int, num_tokens: int) -> None:
         with self._arrived:
@@ -181,7 +207,7 @@ class WorkerSide:
                 # failures into misses); either way these blocks are recomputed.
                 self._count("load_errors")
                 first_bad = max(0, (job.upto - spec.start) // block)
-                self._failed.update(spec.block_ids[first_bad:])
+                self._failed.update(spec.block_ids[0][first_bad:])
                 self._count("load_failed_tokens", spec.end - max(job.upto, spec.start))
             self._count("loaded_tokens", max(0, job.upto - spec.start))
 
@@ -219,7 +245,8 @@ class WorkerSide:
                 # source is first copied into pageable memory), so it is cut on the device.
                 whole = whole.to(self._device, non_blocking=True)
             src = whole[:, job.spec.start - job.base : upto - job.base]
-            self._paged.scatter(self._layers[self._names[i]], job.block_ids[:count], src)
+            ids = job.block_ids[self._group[i]][:count]
+            self._paged.scatter(self._layers[self._names[i]], ids, src)
 
     def _queue_copies(self, layer: int) -> None:
         """Queue the copies of layer `layer` and of every layer final by now, one event each.
@@ -245,19 +272,64 @@ class WorkerSide:
         failed, self._failed = self._failed, set()
         return failed
 
+    def take_loads(self) -> tuple[set[str], set[str]]:
+        """Settle the asynchronous loads that ended: write them into vLLM's blocks.
+
+        A load that delivered every planned token is written, every layer through its
+        group's blocks; one that came up short, failed, or outlived `load_timeout_s` is
+        given up (vLLM recomputes the request).
+
+        Returns:
+            The requests received (failed ones included, as vLLM wants), and those failed.
+        """
+        received: set[str] = set()
+        failed: set[str] = set()
+        still: list[Load] = []
+        now = time.monotonic()
+        for job in self._waiting:
+            spec = job.spec
+            if not job.future.done() and now - job.started < self._settings.load_timeout_s:
+                still.append(job)
+                continue
+            received.add(spec.req_id)
+            try:
+                loaded = job.future.result(timeout=0)
+                if loaded < spec.end:
+                    raise RuntimeError(f"{loaded} of {spec.end} tokens found")
+                self._write_whole(job)
+                self._count("loaded_tokens", spec.end - spec.start)
+            except Exception as exc:
+                job.future.cancel()
+                logger.warning("kvtiers: a load failed (%s); vLLM recomputes", exc)
+                failed.add(spec.req_id)
+                self._count("load_errors")
+                self._count("load_failed_tokens", spec.end - spec.start)
+        self._waiting = still
+        return received, failed
+
+    def _write_whole(self, job: Load) -> None:
+        """Write every layer of a finished load into its group's live blocks."""
+        spec, block = job.spec, self._paged.block_size
+        for i, name in enumerate(self._names):
+            src = job.staging[i][:, spec.start - job.base : spec.end - job.base]
+            ids, src = live_blocks(job.block_ids[self._group[i]], src, block)
+            if ids.numel():
+                self._paged.scatter(self._layers[name], ids, src)
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
     # -- saves -------------------------------------------------------------------------
 
     def begin_saves(self, plan: StepPlan) -> None:
         """Prepare the staging tensors of the plan's saves."""
         for spec in plan.saves:
-            num_tokens = len(spec.tokens) // 8
+            num_tokens = len(spec.tokens) // 8 - spec.start
             staging = torch.empty(
                 self.layout.kv_shape(num_tokens),
                 dtype=torch_dtype(self.layout),
                 pin_memory=self._device.type == "cuda",
             )
-            ids = torch.tensor(spec.block_ids, dtype=torch.int64, device=self._device)
-            self._saves.append(Save(spec, staging, ids))
+            self._saves.append(Save(spec, staging, self._ids(spec.block_ids)))
 
     def save_layer(self, name: str, layer: torch.Tensor) -> None:
         """Gather layer `name` of every save of this step into its staging tensor."""
@@ -266,7 +338,7 @@ class WorkerSide:
             return
         for job in self._saves:
             if i not in job.layers_done:
-                self._paged.gather(layer, job.block_ids, job.staging[i])
+                self._paged.gather(layer, job.block_ids[self._group[i]], job.staging[i])
                 job.layers_done.add(i)
 
     def finish_step(self) -> None:
@@ -283,7 +355,7 @@ class WorkerSide:
                 # NOTE: the forward pass skipped a layer hook, so those layers hold no loaded
                 # KV; report the blocks so vLLM recomputes rather than reads garbage.
                 logger.warning("kvtiers: %d layers were never loaded; recomputing", len(missing))
-                self._failed.update(job.spec.block_ids)
+                self._failed.update(job.spec.block_ids[0])
         self._loads = []
         self._layer_events = {}
         self._deadline = None
@@ -292,7 +364,8 @@ class WorkerSide:
             try:
                 for i in set(range(len(self._names))) - save.layers_done:
                     layer = self._layers[self._names[i]]
-                    self._paged.gather(layer, save.block_ids, save.staging[i])
+                    ids = save.block_ids[self._group[i]]
+                    self._paged.gather(layer, ids, save.staging[i])
                 if self._device.type == "cuda":
                     torch.cuda.current_stream(self._device).synchronize()
                 self._submit_store(save)
@@ -307,9 +380,10 @@ class WorkerSide:
             if len(self._pending) >= self._settings.max_pending_saves:
                 self._counts["saves_skipped"] = self._counts.get("saves_skipped", 0) + 1
                 return
-        tokens = tokens_of(job.spec.tokens)
+        spec = job.spec
+        first = spec.start // self.layout.chunk_size
         future = self._entry.loop.submit(
-            self._entry.cache.store(tokens, job.staging, salt=job.spec.salt)
+            store_from(self._entry.cache, tokens_of(spec.tokens), spec.salt, first, job.staging)
         )
         with self._lock:
             self._pending.add(future)

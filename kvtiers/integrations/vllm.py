@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -68,6 +69,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     each step's loads and saves; the worker-side instance (one per TP rank of each
     pipeline stage) owns the `TieredCache` of its shard and moves KV layer by layer. A
     tier failure is a miss: logged, counted, and recomputed by vLLM.
+
+    Models with sliding-window layers run under vLLM's hybrid KV-cache manager too: each
+    layer moves through its KV-cache group's blocks, each chunk is saved in the step that
+    completes it, and loads are asynchronous (see `_vllm_worker`).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -92,7 +97,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             vllm_config, kv_cache_config, store_generated=self._settings.store_generated
         )
         self._block_size = int(vllm_config.cache_config.block_size)
-        self._chunk_size = chunk_size_for(self._block_size, self._settings.chunk_size)
+        self._chunk_size = chunk_size_for(
+            self._block_size, self._settings.chunk_size, self._topology.window
+        )
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._socket_dir = self._settings.socket_dir or tempfile.gettempdir()
         self._scheduler: SchedulerSide | None = None
@@ -117,6 +124,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 kv_events=kv_events,
                 role=self._role,
                 multimodal=multimodal,
+                async_loads=self._topology.hybrid,
             )
             if kv_events:
                 self._quorum = EventQuorum(self._topology.num_ranks, self._settings.event_chunks)
@@ -171,7 +179,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        block_ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
         self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTiersConnectorMetadata:
@@ -179,17 +187,22 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         manager = self._kv_cache_manager
 
-        def block_ids_of(req_id: str) -> list[int] | None:
+        def block_ids_of(req_id: str) -> Any:
             groups = state.get_block_ids(req_id) if state is not None else None
             if groups is None and manager is not None:
                 groups = manager.get_block_ids(req_id)
-            return list(groups[0]) if groups else None
+            return groups or None
 
         plan = self._scheduler.build_plan(scheduler_output.num_scheduled_tokens, block_ids_of)
         return KVTiersConnectorMetadata(plan=plan)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         try:
@@ -198,12 +211,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             logger.exception("kvtiers: request_finished failed; nothing stored")
             return False, None
 
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0])
-
     def update_connector_output(self, connector_output: Any) -> None:
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed and self._scheduler is not None:
+            self._scheduler.load_failed(set(failed))
         events = getattr(connector_output, "kv_cache_events", None)
         if self._quorum is not None and isinstance(events, KVTiersKVEvents):
             self._quorum.add(events.get_all_events())  # the workers' KV events of a step
@@ -255,7 +266,15 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._events = WorkerEvents(
                 entry, self._settings.event_chunks, self._block_size, self._chunk_size
             )
-        worker = WorkerSide(self._settings, entry, kv_caches, paged, layout)
+        worker = WorkerSide(
+            self._settings,
+            entry,
+            kv_caches,
+            paged,
+            layout,
+            groups=topology.layer_groups,
+            async_loads=topology.hybrid,
+        )
         self._parts["worker"] = worker
         return worker
 
@@ -266,10 +285,15 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         plan = self._plan()
         if self._worker is None or plan is None:
-            if plan is not None and plan.loads:  # no cache: every planned block fails
-                self._parts.setdefault("failed", set()).update(
-                    b for spec in plan.loads for b in spec.block_ids
-                )
+            if plan is not None and plan.loads:  # no cache: every planned load fails
+                if self._topology.hybrid:
+                    self._parts.setdefault("failed_requests", set()).update(
+                        spec.req_id for spec in plan.loads
+                    )
+                else:
+                    self._parts.setdefault("failed", set()).update(
+                        b for spec in plan.loads for b in spec.block_ids[0]
+                    )
             return
         self._worker.start_load(plan)
 
@@ -298,12 +322,24 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None and plan is not None:
             self._worker.finish_step()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        failed: set[str] = self._parts.pop("failed_requests", set())
+        received = set(failed)
         if self._worker is None:
             plan = self._plan()
-            done = {s.req_id for s in plan.saves if s.finished} if plan is not None else set()
-            return done or None, None
-        return self._worker.take_finished() or None, None
+            sent = {s.req_id for s in plan.saves if s.finished} if plan is not None else set()
+        else:
+            sent = self._worker.take_finished()
+            loaded, load_failed = self._worker.take_loads()
+            received |= loaded
+            failed |= load_failed
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed: set[int] = self._parts.pop("failed", set())

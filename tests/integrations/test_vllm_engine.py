@@ -254,26 +254,58 @@ def test_prompts_given_as_embeddings_are_keyed_by_them_and_reused(
     ]
 
 
-def test_a_hybrid_model_is_pooled_with_the_hybrid_manager_off_and_refused_with_it_on(
+def test_a_hybrid_model_is_pooled_under_vllm_hybrid_kv_cache_manager(
     vllm_python, tiny_sliding, tmp_path
 ):
-    """A model with sliding-window and full-attention layers (two KV-cache groups): with
-    vLLM's hybrid KV-cache manager on, the connector stops the engine at start-up saying
-    which flag to pass; with it off, every layer's KV is pooled and reloaded, and the
-    answers equal an engine without kvtiers (whose manager is on)."""
+    """A model with sliding-window and full-attention layers (two KV-cache groups), with
+    vLLM's hybrid KV-cache manager on (vLLM frees window blocks as a request advances):
+    every layer's KV is pooled and reloaded (asynchronously), also when the prefill runs
+    in steps, and engines with the manager off share the pool. Answers equal an engine
+    without kvtiers, to the log-probability; other KV changes them; failed loads are
+    recomputed."""
     result = result_of(start(vllm_python, tiny_sliding, tmp_path, "sliding"))
-    assert "--disable-hybrid-kv-cache-manager" in result["hybrid_manager"]
-    assert "2 (hybrid attention)" in result["hybrid_manager"]
-    baseline = tokens(result["baseline"])
+    baseline = result["baseline"]
     a = result["engine_a"]
-    assert tokens(a) == baseline
+    assert tokens(a) == tokens(baseline)
     assert a[0]["cached"] == 0 and all(o["cached"] >= PREFIX for o in a[1:])
+    whole = [min(n // 64 * 64, n - 1) for n in (o["prompt_tokens"] for o in baseline)]
     b = result["engine_b"]
-    assert tokens(b) == baseline
-    assert [o["cached"] for o in b] == [
-        min(n // 64 * 64, n - 1) for n in (o["prompt_tokens"] for o in b)
-    ]
+    assert tokens(b) == tokens(baseline) and [o["cached"] for o in b] == whole
+    assert first_token_gap(b, baseline) == [0.0] * len(baseline)
     assert result["engine_b_tier_hits"]["lmdb"] > 0
+    assert result["engine_b_stats"]["loaded_tokens"] == sum(whole)
+    # Engine C prefilled in steps of 80 tokens while vLLM freed window blocks; engine D
+    # (manager off: every layer reads every token) loads what C saved, and the short
+    # prompt's first window reads chunk 1, saved in the step that completed it.
+    assert tokens(result["engine_c"]) == tokens(baseline[:1])
+    d = result["engine_d"]
+    assert tokens(d) == tokens(baseline) and [o["cached"] for o in d] == whole
+    assert first_token_gap(d, baseline) == [0.0] * len(baseline)
+    (short,) = result["engine_d_short"]
+    assert short["cached"] == 128
+    assert first_token_gap([short], result["baseline_short"]) == [0.0]
+    # Negative control: other values under the same keys change the answers.
+    assert result["engine_e_stored"] > 0
+    assert all(o["cached"] >= PREFIX for o in result["engine_e"])
+    assert tokens(result["engine_e"]) != tokens(baseline)
+    # Every load fails: vLLM takes no block-level errors with two groups, so each request
+    # is reported failed and recomputed whole; answers unchanged.
+    failing = result["failing_get"]
+    assert tokens(failing) == tokens(baseline) and all(o["cached"] == 0 for o in failing)
+    assert result["failing_get_stats"]["load_failed_requests"] == len(baseline)
+
+
+def test_a_hybrid_model_is_pooled_in_vllm_default_multiprocess_mode(
+    vllm_python, tiny_sliding, tmp_path
+):
+    """The hybrid model with the scheduler and the worker in separate processes: the
+    scheduler's hits come over the lookup channel, and the worker's asynchronous loads are
+    reported received through vLLM's output path; answers equal the baseline."""
+    result = result_of(start(vllm_python, tiny_sliding, tmp_path, "sliding-mp"))
+    baseline = tokens(result["baseline"])
+    assert tokens(result["first"]) == baseline[:1] and result["first"][0]["cached"] == 0
+    assert tokens(result["all"]) == baseline
+    assert all(o["cached"] >= PREFIX for o in result["all"])
 
 
 def test_a_tiers_config_that_cannot_work_stops_the_engine_at_start_up(

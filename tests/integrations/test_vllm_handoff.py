@@ -85,7 +85,7 @@ def test_a_consumer_stops_waiting_after_handoff_wait_s_and_takes_what_it_found()
     assert counts["handoff_waits"] == 1 and counts["handoff_timeouts"] == 1
     assert "handoff_arrived" not in counts
     # Once given up, the request waits no more: its next lookup is answered at once.
-    s.update_state_after_alloc(r, list(range(19)), 128)
+    s.update_state_after_alloc(r, (list(range(19)),), 128)
     clock.now = 2.5
     assert s.get_num_new_matched_tokens(r, 128) == (0, False)
 
@@ -120,30 +120,30 @@ def test_a_consumer_plans_no_save_and_announces_nothing():
     s = side(FakeLookup(hit=0), Clock(), "kv_consumer")
     r = request()
     s.on_new_request(r)
-    assert not s.build_plan({"r1": 300}, lambda _: list(range(19))).saves
-    assert s.request_finished(r, list(range(19))) == (False, None)
+    assert not s.build_plan({"r1": 300}, lambda _: (list(range(19)),)).saves
+    assert s.request_finished(r, (list(range(19)),)) == (False, None)
 
 
 def test_a_producer_announces_the_prompt_tokens_it_stored():
     s = side(FakeLookup(hit=0), Clock(), "kv_producer")
     r = request(num_tokens=300)
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
-    (save,) = s.build_plan({"r1": 300}, lambda _: list(range(19))).saves
+    (save,) = s.build_plan({"r1": 300}, lambda _: (list(range(19)),)).saves
     assert len(tokens_of(save.tokens)) == 256
-    assert s.request_finished(r, list(range(19))) == (False, announce(256))
+    assert s.request_finished(r, (list(range(19)),)) == (False, announce(256))
 
 
 def test_a_producer_announces_what_it_found_too_and_nothing_for_a_short_prompt():
     s = side(FakeLookup(hit=256), Clock(), "kv_producer")
     found = request(num_tokens=300)
     s.get_num_new_matched_tokens(found, 0)
-    s.update_state_after_alloc(found, list(range(19)), 256)
-    assert not s.build_plan({"r1": 44}, lambda _: list(range(19))).saves
-    assert s.request_finished(found, list(range(19))) == (False, announce(256))
+    s.update_state_after_alloc(found, (list(range(19)),), 256)
+    assert not s.build_plan({"r1": 44}, lambda _: (list(range(19)),)).saves
+    assert s.request_finished(found, (list(range(19)),)) == (False, announce(256))
     short = request("r2", num_tokens=40)  # less than one chunk: nothing to hand off
     s.on_new_request(short)
-    s.build_plan({"r2": 40}, lambda _: list(range(3)))
-    assert s.request_finished(short, list(range(3))) == (False, None)
+    s.build_plan({"r2": 40}, lambda _: (list(range(3)),))
+    assert s.request_finished(short, (list(range(3)),)) == (False, None)
 
 
 def test_a_producer_storing_generated_tokens_announces_them():
@@ -151,7 +151,7 @@ def test_a_producer_storing_generated_tokens_announces_them():
     r = request(num_tokens=300)
     r.num_prompt_tokens, r.num_computed_tokens = 200, 299
     s.on_new_request(r)
-    assert s.request_finished(r, list(range(19))) == (True, announce(256))
+    assert s.request_finished(r, (list(range(19)),)) == (True, announce(256))
 
 
 @pytest.mark.parametrize("name", ["handoff_wait_s", "handoff_poll_ms"])

@@ -48,7 +48,7 @@ def test_an_abort_while_waiting_cancels_the_lookup_and_forgets_the_request():
     lookup.hit = None  # the next lookup hangs
     clock.now = 0.02
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
-    assert s.request_finished(r, []) == (False, None)
+    assert s.request_finished(r, ()) == (False, None)
     assert lookup.futures[-1].cancelled()
     counts = s.take_counts()
     assert counts["handoff_waits"] == 1
@@ -79,17 +79,17 @@ def test_preemption_after_the_kv_arrived_does_not_wait_again():
     s.get_num_new_matched_tokens(r, 0)
     lookup.hit, clock.now = 256, 0.02
     assert s.get_num_new_matched_tokens(r, 0) == (256, False)
-    s.update_state_after_alloc(r, BLOCKS, 256)
-    assert len(s.build_plan({"r1": 44}, lambda _: BLOCKS).loads) == 1
+    s.update_state_after_alloc(r, (BLOCKS,), 256)
+    assert len(s.build_plan({"r1": 44}, lambda _: (BLOCKS,)).loads) == 1
     # Preempted: vLLM frees its blocks and asks again with its own (smaller) prefix hit,
     # while the pool has lost the chunks meanwhile.
     lookup.hit, clock.now = 0, 0.03
     assert s.get_num_new_matched_tokens(r, 64) == (0, False)
-    s.update_state_after_alloc(r, [], 0)
+    s.update_state_after_alloc(r, (), 0)
     lookup.hit = 192
     assert s.get_num_new_matched_tokens(r, 0) == (192, False)  # a fresh lookup
-    s.update_state_after_alloc(r, BLOCKS, 192)
-    (load,) = s.build_plan({"r1": 108}, lambda _: BLOCKS).loads
+    s.update_state_after_alloc(r, (BLOCKS,), 192)
+    (load,) = s.build_plan({"r1": 108}, lambda _: (BLOCKS,)).loads
     assert (load.start, load.end) == (0, 192)
     assert s.take_counts()["handoff_waits"] == 1
 
@@ -101,7 +101,7 @@ def test_after_the_kv_arrived_a_slow_lookup_gets_its_usual_deadline():
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     lookup.hit, clock.now = 256, 0.02
     assert s.get_num_new_matched_tokens(r, 0) == (256, False)
-    s.update_state_after_alloc(r, BLOCKS, 256)
+    s.update_state_after_alloc(r, (BLOCKS,), 256)
     lookup.hit, clock.now = None, 3.0  # preempted long after; the pool is slow now
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     clock.now = 4.0  # past the hand-off's wait, within lookup_deadline_s: still asked
@@ -354,40 +354,45 @@ def test_requests_kvtiers_cannot_key_do_not_wait_for_an_announcement():
 # -- the producer ------------------------------------------------------------------------
 
 
-def test_a_producer_aborted_before_its_save_announces_nothing():
+def test_a_producer_aborted_mid_prefill_announces_only_the_chunks_it_saved():
     s = side(FakeLookup(hit=0), Clock(), "kv_producer")
     r = request(num_tokens=300)
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
-    s.update_state_after_alloc(r, [], 0)
-    assert not s.build_plan({"r1": 200}, lambda _: BLOCKS).saves  # chunked prefill, part 1
-    assert s.request_finished(r, BLOCKS) == (False, None)
+    s.update_state_after_alloc(r, (), 0)
+    assert s.request_finished(r, (BLOCKS,)) == (False, None)  # aborted before any step
+    r = request("r2", num_tokens=300)
+    s.on_new_request(r)
+    (save,) = s.build_plan({"r2": 200}, lambda _: (BLOCKS,)).saves  # chunked prefill, part 1
+    assert (save.start, len(save.tokens) // 8) == (0, 192)
+    assert s.request_finished(r, (BLOCKS,)) == (False, announce(192))
 
 
 def test_a_producer_storing_generated_tokens_announces_all_it_holds():
     s = side(FakeLookup(hit=0), Clock(), "kv_producer", store_generated=True)
     short = request("short", num_tokens=40)
     s.on_new_request(short)
-    s.build_plan({"short": 40}, lambda _: [0, 1, 2])
+    s.build_plan({"short": 40}, lambda _: ([0, 1, 2],))
     short.num_computed_tokens, short.num_tokens = 40, 41
-    assert s.request_finished(short, [0, 1, 2]) == (False, None)  # under a chunk
+    assert s.request_finished(short, ([0, 1, 2],)) == (False, None)  # under a chunk
     long = request("long", num_tokens=300)
     s.on_new_request(long)
-    (save,) = s.build_plan({"long": 300}, lambda _: BLOCKS).saves
+    (save,) = s.build_plan({"long": 300}, lambda _: (BLOCKS,)).saves
     long.all_token_ids += [7] * 21  # 21 tokens generated; the last one not computed
     long.num_tokens, long.num_computed_tokens = 321, 320
-    assert s.request_finished(long, BLOCKS + [19, 20]) == (True, announce(320))
+    assert s.request_finished(long, (BLOCKS + [19, 20],)) == (True, announce(320))
     (finished,) = s.build_plan({}, lambda _: None).saves
-    assert finished.finished and finished.block_ids == tuple(range(20))
+    assert finished.finished and finished.start == 256
+    assert finished.block_ids == (tuple(range(16, 20)),)
 
 
 def test_a_producer_whose_lookup_found_the_prompt_announces_it_without_saving():
     s = side(FakeLookup(hit=256), Clock(), "kv_producer", store_generated=True)
     r = request(num_tokens=300)
     assert s.get_num_new_matched_tokens(r, 0) == (256, False)
-    s.update_state_after_alloc(r, BLOCKS, 256)
-    assert not s.build_plan({"r1": 44}, lambda _: BLOCKS).saves
+    s.update_state_after_alloc(r, (BLOCKS,), 256)
+    assert not s.build_plan({"r1": 44}, lambda _: (BLOCKS,)).saves
     r.num_computed_tokens = 300
-    assert s.request_finished(r, BLOCKS) == (False, announce(256))
+    assert s.request_finished(r, (BLOCKS,)) == (False, announce(256))
 
 
 # -- counters over a random run -----------------------------------------------------------
@@ -412,14 +417,14 @@ def test_counters_stay_consistent_over_a_random_run(seed):
             announced += isinstance(params, dict) and params["kvtiers"] != 1
         for rid, r in list(live.items()):
             if rng.random() < 0.05:
-                s.request_finished(r, [])
+                s.request_finished(r, ())
                 del live[rid]
                 continue
             lookup.hit = 256 if clock.now >= arrives_at[rid] else rng.choice([0, 64])
             answer, _ = s.get_num_new_matched_tokens(r, 0)
             if answer is not None:
-                s.update_state_after_alloc(r, BLOCKS, answer)
-                s.request_finished(r, BLOCKS)
+                s.update_state_after_alloc(r, (BLOCKS,), answer)
+                s.request_finished(r, (BLOCKS,))
                 del live[rid]
         for name, value in s.take_counts().items():
             totals[name] = totals.get(name, 0) + value

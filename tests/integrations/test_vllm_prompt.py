@@ -102,9 +102,9 @@ def test_the_scheduler_looks_up_loads_and_saves_a_multimodal_prompt_by_its_keyed
     keyed = key_tokens(r, 256).tolist()
     assert s.get_num_new_matched_tokens(r, 0) == (128, False)
     assert lookup.asked == [keyed]
-    s.update_state_after_alloc(r, list(range(19)), 128)
+    s.update_state_after_alloc(r, (list(range(19)),), 128)
     r.num_computed_tokens = 128
-    plan = s.build_plan({"r1": 172}, lambda _: list(range(19)))
+    plan = s.build_plan({"r1": 172}, lambda _: (list(range(19)),))
     (load,) = plan.loads
     (save,) = plan.saves
     assert tokens_of(load.tokens).tolist() == keyed[:128]
@@ -245,9 +245,9 @@ def test_the_scheduler_keys_an_embeddings_prompt_once_and_events_keep_its_own_id
     keyed = key_tokens(r, 256).tolist()
     assert s.get_num_new_matched_tokens(r, 0) == (128, False)
     assert lookup.asked == [keyed]
-    s.update_state_after_alloc(r, list(range(19)), 128)
+    s.update_state_after_alloc(r, (list(range(19)),), 128)
     r.num_computed_tokens = 128
-    plan = s.build_plan({"e1": 172}, lambda _: list(range(19)))
+    plan = s.build_plan({"e1": 172}, lambda _: (list(range(19)),))
     assert tokens_of(plan.loads[0].tokens).tolist() == keyed[:128]
     (save,) = plan.saves
     assert tokens_of(save.tokens).tolist() == keyed

@@ -139,7 +139,7 @@ def test_items_vllm_names_by_a_per_request_counter_are_never_keyed():
     r = request(item("renderer0-mm-1-image-0", 16, 24))
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     assert lookup.asked == []
-    assert s.build_plan({"r1": 96}, lambda _: list(range(12))).saves == []
+    assert s.build_plan({"r1": 96}, lambda _: (list(range(12)),)).saves == []
     # content hashes and the caller's uuids are keys
     assert keyable(request(item("7935fe25c184727abb6aa19f91c304b6d1", 16, 24)))
     assert keyable(request(item("user-image-17", 16, 24)))
@@ -325,15 +325,15 @@ def test_generated_tokens_after_a_prompt_with_images_are_saved_keyed_and_named()
     s = side(lookup, kv_events=True, store_generated=True)
     r = request(item("cat", 16, 24), num_tokens=40)
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
-    s.update_state_after_alloc(r, [], 0)
-    prompt_plan = s.build_plan({"r1": 40}, lambda _: list(range(5)))
+    s.update_state_after_alloc(r, (), 0)
+    prompt_plan = s.build_plan({"r1": 40}, lambda _: (list(range(5)),))
     (prompt_save,) = prompt_plan.saves
     assert len(tokens_of(prompt_save.tokens)) == 32
     # decode 30 tokens: 70 in all, four whole chunks
     r.all_token_ids = r.all_token_ids + list(range(5000, 5030))
     r.num_tokens = r.num_computed_tokens = 70
     r.block_hashes = request(item("cat", 16, 24), tokens=r.all_token_ids).block_hashes
-    assert s.request_finished(r, list(range(9))) == (True, None)
+    assert s.request_finished(r, (list(range(9)),)) == (True, None)
     (save,) = s.build_plan({}, lambda _: None).saves
     keyed = tokens_of(save.tokens).tolist()
     assert len(keyed) == 64 and save.finished
@@ -365,8 +365,8 @@ def test_events_of_saved_and_loaded_chunks_carry_the_prompt_own_token_ids(regist
     # a first request with an image is computed and saved
     first = request(item("cat", 4, 24), req_id="first", cache_salt="t")
     assert s.get_num_new_matched_tokens(first, 0) == (0, False)
-    s.update_state_after_alloc(first, [], 0)
-    plan = s.build_plan({"first": 96}, lambda _: list(range(12)))
+    s.update_state_after_alloc(first, (), 0)
+    plan = s.build_plan({"first": 96}, lambda _: (list(range(12)),))
     (save,) = plan.saves
     worker.record(plan)
     entry.loop.run(cache.store(tokens_of(save.tokens), make_kv(LAYOUT, 96), salt=save.salt), 30)
@@ -375,9 +375,9 @@ def test_events_of_saved_and_loaded_chunks_carry_the_prompt_own_token_ids(regist
     second.all_token_ids[:96] = first.all_token_ids
     second.block_hashes[:12] = first.block_hashes
     assert s.get_num_new_matched_tokens(second, 0) == (96, False)
-    s.update_state_after_alloc(second, list(range(14)), 96)
+    s.update_state_after_alloc(second, (list(range(14)),), 96)
     second.num_computed_tokens = 96
-    plan = s.build_plan({"second": CHUNK}, lambda _: list(range(14)))
+    plan = s.build_plan({"second": CHUNK}, lambda _: (list(range(14)),))
     (load,) = plan.loads
     load_ids = tokens_of(load.tokens)
     assert load_ids.tolist() == tokens_of(save.tokens).tolist()
@@ -420,11 +420,11 @@ def test_a_consumer_loads_a_producer_prompt_with_its_image_and_not_another_image
     producer = side(lookup, kv_role="kv_producer", lookup_wait_ms=10_000)
     cat = request(item("cat", 4, 24), req_id="p")
     assert producer.get_num_new_matched_tokens(cat, 0) == (0, False)
-    producer.update_state_after_alloc(cat, [], 0)
-    (save,) = producer.build_plan({"p": 96}, lambda _: list(range(12))).saves
+    producer.update_state_after_alloc(cat, (), 0)
+    (save,) = producer.build_plan({"p": 96}, lambda _: (list(range(12)),)).saves
     entry.loop.run(cache.store(tokens_of(save.tokens), make_kv(LAYOUT, 96)), 30)
     cat.num_computed_tokens = 96
-    delay, params = producer.request_finished(cat, list(range(12)))
+    delay, params = producer.request_finished(cat, (list(range(12)),))
     assert (delay, params) == (False, announce(96))
 
     consumer = side(lookup, kv_role="kv_consumer", lookup_wait_ms=10_000, handoff_wait_s=0)
@@ -434,7 +434,7 @@ def test_a_consumer_loads_a_producer_prompt_with_its_image_and_not_another_image
     dog = request(item("dog", 4, 24), req_id="c2", kv_transfer_params=params)
     assert dog.all_token_ids == same.all_token_ids
     assert consumer.get_num_new_matched_tokens(dog, 0) == (0, False)
-    assert consumer.build_plan({"c1": 1, "c2": 96}, lambda _: list(range(12))).saves == []
+    assert consumer.build_plan({"c1": 1, "c2": 96}, lambda _: (list(range(12)),)).saves == []
     registry.release(entry)
 
 
@@ -443,8 +443,8 @@ def test_a_producer_announces_nothing_for_items_it_cannot_key():
     r = request(item("renderer0-mm-1-image-0", 4, 24), req_id="p")
     producer.get_num_new_matched_tokens(r, 0)
     r.num_computed_tokens = 96
-    assert producer.build_plan({"p": 96}, lambda _: list(range(12))).saves == []
-    assert producer.request_finished(r, list(range(12))) == (False, None)
+    assert producer.build_plan({"p": 96}, lambda _: (list(range(12)),)).saves == []
+    assert producer.request_finished(r, (list(range(12)),)) == (False, None)
 
 
 # -- vLLM's own classes (vllm_prompt_real.py, run with vLLM's python) ------------------

@@ -103,11 +103,11 @@ def test_a_whole_cached_prompt_loads_its_last_block_too():
     r = request(num_tokens=128)
     assert s.get_num_new_matched_tokens(r, 0) == (127, False)
     blocks = list(range(500, 508))
-    s.update_state_after_alloc(r, blocks, 127)
+    s.update_state_after_alloc(r, (blocks,), 127)
     (load,) = s.build_plan({}, lambda _: None).loads
     assert (load.start, load.end) == (0, 128)
-    assert load.block_ids == tuple(blocks)
-    assert not s.build_plan({"r1": 1}, lambda _: blocks).saves  # already stored
+    assert load.block_ids == (tuple(blocks),)
+    assert not s.build_plan({"r1": 1}, lambda _: (blocks,)).saves  # already stored
 
 
 def test_a_slow_lookup_asks_again_later_then_gives_up():
@@ -156,11 +156,11 @@ def test_accepted_tokens_become_a_load_of_whole_blocks():
     r = request()
     assert s.get_num_new_matched_tokens(r, 64) == (192, False)
     blocks = list(range(1000, 1019))  # 19 blocks of 16 tokens hold 300 tokens
-    s.update_state_after_alloc(r, blocks, 192)
+    s.update_state_after_alloc(r, (blocks,), 192)
     plan = s.build_plan({}, lambda _: None)
     (load,) = plan.loads
     assert (load.start, load.end) == (64, 256)
-    assert load.block_ids == tuple(blocks[4:16])
+    assert load.block_ids == (tuple(blocks[4:16]),)
     assert tokens_of(load.tokens).tolist() == r.all_token_ids[:256]
     assert not s.build_plan({}, lambda _: None)  # a plan is handed out once
 
@@ -169,20 +169,24 @@ def test_nothing_is_loaded_when_vllm_takes_no_external_tokens():
     s = side(FakeLookup(hit=256))
     r = request()
     s.get_num_new_matched_tokens(r, 0)
-    s.update_state_after_alloc(r, [], 0)
+    s.update_state_after_alloc(r, (), 0)
     assert not s.build_plan({}, lambda _: None).loads
 
 
-def test_the_prompt_is_saved_in_the_step_that_computes_its_last_full_chunk():
+def test_each_step_saves_the_prompt_chunks_its_forward_pass_completes():
     s = side(FakeLookup(hit=0))
     r = request(num_tokens=300)  # four full chunks (256 tokens) and a 44-token tail
     s.on_new_request(r)
-    blocks = list(range(19))
-    assert not s.build_plan({"r1": 200}, lambda _: blocks).saves  # chunked prefill, part 1
+    blocks = (list(range(19)), list(range(100, 119)))  # two KV-cache groups
+    (first,) = s.build_plan({"r1": 200}, lambda _: blocks).saves  # chunked prefill, part 1
+    assert tokens_of(first.tokens).tolist() == r.all_token_ids[:192]
+    assert first.start == 0
+    assert first.block_ids == (tuple(range(12)), tuple(range(100, 112)))
     r.num_computed_tokens = 200
     (save,) = s.build_plan({"r1": 100}, lambda _: blocks).saves
     assert tokens_of(save.tokens).tolist() == r.all_token_ids[:256]
-    assert save.block_ids == tuple(range(16)) and not save.finished
+    assert save.start == 192 and not save.finished
+    assert save.block_ids == (tuple(range(12, 16)), tuple(range(112, 116)))
     r.num_computed_tokens = 300
     assert not s.build_plan({"r1": 1}, lambda _: blocks).saves  # saved once
 
@@ -191,8 +195,8 @@ def test_chunks_kvtiers_already_holds_are_not_saved_again():
     s = side(FakeLookup(hit=256))
     r = request()
     s.get_num_new_matched_tokens(r, 0)
-    s.update_state_after_alloc(r, list(range(19)), 256)
-    plan = s.build_plan({"r1": 44}, lambda _: list(range(19)))
+    s.update_state_after_alloc(r, (list(range(19)),), 256)
+    plan = s.build_plan({"r1": 44}, lambda _: (list(range(19)),))
     assert plan.loads and not plan.saves
 
 
@@ -202,12 +206,13 @@ def test_generated_tokens_are_saved_at_finish_only_when_configured():
     r.num_computed_tokens = 299
     plain = side(FakeLookup(hit=0))
     plain.on_new_request(r)
-    assert plain.request_finished(r, list(range(19))) == (False, None)
+    assert plain.request_finished(r, (list(range(19)),)) == (False, None)
     keeping = side(FakeLookup(hit=0), store_generated=True)
     keeping.on_new_request(r)
-    assert keeping.request_finished(r, list(range(19))) == (True, None)
+    assert keeping.request_finished(r, (list(range(19)),)) == (True, None)
     (save,) = keeping.build_plan({}, lambda _: None).saves
     assert save.finished and len(tokens_of(save.tokens)) == 256
+    assert save.start == 0 and save.block_ids == (tuple(range(16)),)
 
 
 def test_settings_are_validated_by_name():
@@ -242,13 +247,46 @@ def test_loads_and_saves_carry_vllm_block_hashes_only_with_kv_events():
     s = SchedulerSide(settings, BLOCK, CHUNK, lambda: FakeLookup(hit=128), kv_events=True)
     loaded = request(block_hashes=hashes, lora_request=lora)
     s.get_num_new_matched_tokens(loaded, 0)
-    s.update_state_after_alloc(loaded, list(range(19)), 128)
+    s.update_state_after_alloc(loaded, (list(range(19)),), 128)
     saved = request("r2", block_hashes=hashes)
     s.on_new_request(saved)
-    plan = s.build_plan({"r2": 300}, lambda _: list(range(19)))
+    plan = s.build_plan({"r2": 300}, lambda _: (list(range(19)),))
     assert plan.loads[0].origin == BlockOrigin(tuple(hashes[:8]), 4, "sql")
     assert plan.saves[0].origin == BlockOrigin(tuple(hashes[:16]))
     plain = side(FakeLookup(hit=128))
     plain.get_num_new_matched_tokens(loaded, 0)
-    plain.update_state_after_alloc(loaded, list(range(19)), 128)
+    plain.update_state_after_alloc(loaded, (list(range(19)),), 128)
     assert plain.build_plan({}, lambda _: None).loads[0].origin is None
+
+
+def test_hybrid_loads_are_asynchronous_and_a_failed_one_is_not_retried():
+    """With several KV-cache groups vLLM takes no block-level load errors, so loads are
+    asynchronous; a request whose load failed is recomputed whole and loads nothing
+    more (a lookup would find the same chunks again)."""
+    settings = ConnectorSettings(lookup_wait_ms=0)
+    s = SchedulerSide(settings, BLOCK, CHUNK, lambda: FakeLookup(hit=256), async_loads=True)
+    r = request()
+    assert s.get_num_new_matched_tokens(r, 0) == (256, True)
+    blocks = (list(range(19)), [0] * 12 + list(range(200, 207)))  # window: nulls behind it
+    s.update_state_after_alloc(r, blocks, 256)
+    (load,) = s.build_plan({}, lambda _: None).loads
+    assert load.block_ids == (tuple(range(16)), (0,) * 12 + tuple(range(200, 204)))
+    s.load_failed({"r1", "unknown"})
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s.take_counts()["load_failed_requests"] == 1
+    other = request("r2")
+    assert s.get_num_new_matched_tokens(other, 0) == (256, True)
+    assert s.get_num_new_matched_tokens(request("r3", num_tokens=40), 0) == (0, False)
+
+
+def test_a_sliding_window_bounds_the_chunk_size():
+    """Every block of a chunk must still be allocated in the step that completes it:
+    `chunk <= window + block - 1`."""
+    assert chunk_size_for(16, None, window=64) == 64
+    assert chunk_size_for(16, None, window=4096) == 256
+    assert chunk_size_for(32, None, window=64) == 64
+    assert chunk_size_for(32, None, window=65) == 96
+    assert chunk_size_for(16, None, window=8) == 16  # at least one block
+    assert chunk_size_for(16, 64, window=64) == 64
+    with pytest.raises(ConfigError, match="exceeds 64.*64-token sliding window"):
+        chunk_size_for(16, 128, window=64)

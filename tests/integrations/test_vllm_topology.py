@@ -24,7 +24,8 @@ _CHECK = textwrap.dedent(
 
     import torch
     from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec, KVCacheGroupSpec, RSWASpec, SlidingWindowSpec,
+        ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec, RSWASpec,
+        SlidingWindowSpec,
     )
 
     from kvtiers.integrations._vllm_topology import Topology
@@ -33,10 +34,20 @@ _CHECK = textwrap.dedent(
     full = KVCacheGroupSpec(["layers.0.attn"], FullAttentionSpec(**dims))
     window = KVCacheGroupSpec(["layers.1.attn"], SlidingWindowSpec(**dims, sliding_window=64))
     rswa = KVCacheGroupSpec(["layers.0.attn"], RSWASpec(**dims, rswa_window=64))
+    narrow = KVCacheGroupSpec(["layers.2.attn"], SlidingWindowSpec(**dims, sliding_window=32))
+    local = KVCacheGroupSpec(
+        ["layers.1.attn"], ChunkedLocalAttentionSpec(**dims, attention_chunk_size=64)
+    )
+    mamba = KVCacheGroupSpec(
+        ["layers.1.mixer"], MambaSpec(block_size=16, shapes=((2, 8),), dtypes=(torch.float16,))
+    )
+    wide = KVCacheGroupSpec(
+        ["layers.1.attn"], SlidingWindowSpec(**{**dims, "block_size": 32}, sliding_window=64)
+    )
 
     def config(**parallel):
         fields = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0)
-        return NS(parallel_config=NS(**{**fields, **parallel}))
+        return NS(parallel_config=NS(**{**fields, **parallel}), cache_config=NS(block_size=16))
 
     def outcome(vllm_config, groups, store_generated=False):
         try:
@@ -45,13 +56,20 @@ _CHECK = textwrap.dedent(
             )
         except ValueError as exc:
             return {"error": str(exc)}
-        return {"tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_rank, "ranks": t.num_ranks}
+        return {
+            "tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_rank, "ranks": t.num_ranks,
+            "window": t.window, "hybrid": t.hybrid, "groups": t.layer_groups,
+        }
 
     print(json.dumps({
         "full": outcome(config(tensor_parallel_size=2, pipeline_parallel_size=2,
                                data_parallel_rank=1), [full]),
-        "hybrid": outcome(config(), [full, window]),
+        "hybrid": outcome(config(), [full, window, narrow]),
+        "hybrid_generated": outcome(config(), [full, window], store_generated=True),
         "window": outcome(config(), [window]),
+        "local": outcome(config(), [full, local]),
+        "mamba": outcome(config(), [full, mamba]),
+        "block_sizes": outcome(config(), [full, wide]),
         "pcp": outcome(config(prefill_context_parallel_size=2), [full]),
         "dcp": outcome(config(decode_context_parallel_size=2), [full]),
         "rswa_prompts": outcome(config(), [rswa]),
@@ -62,7 +80,9 @@ _CHECK = textwrap.dedent(
 )
 
 
-def test_full_attention_is_accepted_and_the_rest_refused_with_a_hint(vllm_python: Path) -> None:
+def test_full_attention_and_sliding_windows_are_accepted_and_the_rest_refused_with_a_hint(
+    vllm_python: Path,
+) -> None:
     done = subprocess.run(
         [str(vllm_python), "-c", _CHECK],
         capture_output=True,
@@ -73,10 +93,19 @@ def test_full_attention_is_accepted_and_the_rest_refused_with_a_hint(vllm_python
     )
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["full"] == {"tp": 2, "pp": 2, "dp": 1, "ranks": 4}
-    assert "--disable-hybrid-kv-cache-manager" in got["hybrid"]["error"]
-    assert "2 (hybrid attention)" in got["hybrid"]["error"]
-    assert "SlidingWindowSpec" in got["window"]["error"]
+    assert got["full"] == {
+        "tp": 2, "pp": 2, "dp": 1, "ranks": 4, "window": None, "hybrid": False, "groups": {}
+    }  # fmt: skip
+    # vLLM's hybrid KV-cache manager: each layer's group, and the smallest window.
+    hybrid = got["hybrid"]
+    assert hybrid["window"] == 32 and hybrid["hybrid"]
+    assert hybrid["groups"] == {"layers.0.attn": 0, "layers.1.attn": 1, "layers.2.attn": 2}
+    assert got["window"]["window"] == 64 and got["window"]["groups"] == {}
+    assert "store_generated = false" in got["hybrid_generated"]["error"]
+    for refused, spec in (("local", "ChunkedLocalAttentionSpec"), ("mamba", "MambaSpec")):
+        assert spec in got[refused]["error"]
+        assert "--disable-hybrid-kv-cache-manager" in got[refused]["error"]
+    assert "block size in every KV-cache group, got [16, 32]" in got["block_sizes"]["error"]
     assert "prefill_context_parallel_size > 1" in got["pcp"]["error"]
     assert "decode_context_parallel_size > 1" in got["dcp"]["error"]
     # R-SWA keeps the prompt's KV (stored), not generated tokens' out of its window.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -38,10 +40,12 @@ def registry():
     return CacheRegistry()
 
 
-def worker(registry, layers, **settings) -> WorkerSide:
+def worker(registry, layers, *, groups=None, async_loads=False, **settings) -> WorkerSide:
     entry = registry.acquire("k", lambda: TieredCache.from_config(make_config()))
     paged = PagedLayout("cpu", NB, BS, LAYOUT.num_kv_heads, LAYOUT.head_size)
-    return WorkerSide(ConnectorSettings(**settings), entry, layers, paged, LAYOUT)
+    return WorkerSide(
+        ConnectorSettings(**settings), entry, layers, paged, LAYOUT, groups, async_loads
+    )
 
 
 def blocks_of(layers, ids):
@@ -54,7 +58,7 @@ def test_saved_blocks_load_back_into_other_blocks(registry, pipelined):
     src_layers = paged_layers(seed=1)
     saving = worker(registry, src_layers)
     save_ids = (3, 7, 1, 9, 0, 4)  # 48 tokens in six blocks, out of order
-    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, save_ids)])
+    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, (save_ids,))])
     saving.begin_saves(plan)
     for name in NAMES:  # the forward pass leaves each attention layer
         saving.save_layer(name, src_layers[name])
@@ -66,7 +70,7 @@ def test_saved_blocks_load_back_into_other_blocks(registry, pipelined):
     loading = WorkerSide(saving._settings, saving._entry, dst_layers, saving._paged, LAYOUT)
     loading._pipelined = pipelined
     load_ids = (5, 2, 11, 6)  # tokens 16..48 of the request (skip the first chunk)
-    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, load_ids, start=16, end=48)
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (load_ids,), start=16, end=48)
     loading.start_load(StepPlan(loads=[spec]))
     for name in NAMES:
         loading.wait_for_layer(name)
@@ -80,7 +84,7 @@ def test_saved_blocks_load_back_into_other_blocks(registry, pipelined):
     assert counts["loaded_tokens"] == 32
     assert counts["hits_dram"] == 2  # the chunk vLLM computed itself is not read again
 
-    mid = LoadSpec("r3", tokens_to_bytes(TOKENS), None, (10, 8, 3), start=24, end=48)
+    mid = LoadSpec("r3", tokens_to_bytes(TOKENS), None, ((10, 8, 3),), start=24, end=48)
     loading.start_load(StepPlan(loads=[mid]))  # from the middle of the second chunk
     for name in NAMES:
         loading.wait_for_layer(name)
@@ -98,11 +102,11 @@ def test_saved_blocks_load_back_into_other_blocks(registry, pipelined):
 def test_blocks_beyond_the_cached_prefix_are_reported_failed(registry):
     layers = paged_layers(seed=2)
     w = worker(registry, layers)
-    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS[:16]), None, (0, 1))])
+    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS[:16]), None, ((0, 1),))])
     w.begin_saves(plan)
     w.finish_step()  # an empty step: the layers are gathered here
     assert w.flush(10)
-    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (4, 5, 6, 7, 8, 9), start=0, end=48)
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, ((4, 5, 6, 7, 8, 9),), start=0, end=48)
     w.start_load(StepPlan(loads=[spec]))
     for name in NAMES:
         w.wait_for_layer(name)
@@ -115,11 +119,11 @@ def test_blocks_beyond_the_cached_prefix_are_reported_failed(registry):
 def test_layers_the_forward_pass_skipped_are_reported_failed(registry):
     layers = paged_layers(seed=3)
     w = worker(registry, layers)
-    w.begin_saves(StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS[:16]), None, (0, 1))]))
+    w.begin_saves(StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS[:16]), None, ((0, 1),))]))
     w.finish_step()
     w.flush(10)
     w.start_load(
-        StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS[:16]), None, (2, 3), 0, 16)])
+        StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS[:16]), None, ((2, 3),), 0, 16)])
     )
     w.wait_for_layer(NAMES[0])  # the second layer's hook never comes
     w.finish_step()
@@ -131,8 +135,14 @@ def test_a_closed_cache_fails_loads_and_skips_saves_without_raising(registry):
     layers = paged_layers(seed=4)
     w = worker(registry, layers, load_timeout_s=5)
     registry.release(w._entry)  # the cache and its loop are gone
-    w.start_load(StepPlan(loads=[LoadSpec("r", tokens_to_bytes(TOKENS[:16]), None, (2, 3), 0, 16)]))
-    w.begin_saves(StepPlan(saves=[SaveSpec("s", tokens_to_bytes(TOKENS[:16]), None, (0, 1), True)]))
+    w.start_load(
+        StepPlan(loads=[LoadSpec("r", tokens_to_bytes(TOKENS[:16]), None, ((2, 3),), 0, 16)])
+    )
+    w.begin_saves(
+        StepPlan(
+            saves=[SaveSpec("s", tokens_to_bytes(TOKENS[:16]), None, ((0, 1),), finished=True)]
+        )
+    )
     for name in NAMES:
         w.wait_for_layer(name)
         w.save_layer(name, layers[name])
@@ -162,7 +172,7 @@ def test_cuda_loads_queue_layers_as_they_arrive_and_compute_waits_on_the_device(
     paged = PagedLayout("flash", NB, BS, LAYOUT.num_kv_heads, LAYOUT.head_size)
     saving = WorkerSide(ConnectorSettings(), entry, src, paged, LAYOUT)
     saving.begin_saves(
-        StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, (3, 7, 1, 9, 0, 4))])
+        StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, ((3, 7, 1, 9, 0, 4),))])
     )
     for name in NAMES:
         saving.save_layer(name, src[name])
@@ -170,7 +180,7 @@ def test_cuda_loads_queue_layers_as_they_arrive_and_compute_waits_on_the_device(
     assert saving.flush(10)
     loading = WorkerSide(ConnectorSettings(), entry, dst, paged, LAYOUT)
     assert loading._pipelined
-    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (5, 2, 11, 6), start=16, end=48)
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, ((5, 2, 11, 6),), start=16, end=48)
     loading.start_load(StepPlan(loads=[spec]))
     assert loading._loads[0].staging.is_pinned()  # so the copies do not block the host
     loading.wait_for_layer(NAMES[0])
@@ -213,7 +223,7 @@ def deep_worker(registry, tmp_path, layers, key) -> WorkerSide:
 
 def save_deep(registry, tmp_path, src) -> list[bytes]:
     saving = deep_worker(registry, tmp_path, src, "save")
-    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, (3, 7, 1, 9, 0, 4))])
+    plan = StepPlan(saves=[SaveSpec("r1", tokens_to_bytes(TOKENS), None, ((3, 7, 1, 9, 0, 4),))])
     saving.begin_saves(plan)
     saving.finish_step()
     assert saving.flush(10)
@@ -247,7 +257,7 @@ def test_early_layers_are_written_before_later_waves_arrive(registry, tmp_path, 
     monkeypatch.setattr(RemoteTier, "get_layers", held)
     dst = deep_layers(seed=None)
     loading = deep_worker(registry, tmp_path, dst, "load")
-    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (5, 2, 11, 6, 8, 10), start=0, end=48)
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, ((5, 2, 11, 6, 8, 10),), start=0, end=48)
     loading.start_load(StepPlan(loads=[spec]))
     loading.wait_for_layer(DEEP_NAMES[0])  # returns with later waves still held
     assert not loading._loads[0].future.done()
@@ -282,7 +292,9 @@ def test_a_corrupt_later_layer_fails_only_its_chunk_and_after(registry, tmp_path
     dst = deep_layers(seed=None)
     loading = deep_worker(registry, tmp_path, dst, "load")
     ids = (5, 2, 11, 6, 8, 10)
-    loading.start_load(StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, ids, 0, 48)]))
+    loading.start_load(
+        StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, (ids,), 0, 48)])
+    )
     for name in DEEP_NAMES:
         loading.wait_for_layer(name)
     loading.finish_step()
@@ -337,7 +349,9 @@ def test_a_load_past_its_deadline_mid_waves_fails_every_block_and_frees_the_cach
     dst = deep_layers(seed=None)
     loading = held_worker(registry, tmp_path, dst, timeout_s=0.3)
     ids = (5, 2, 11, 6, 8, 10)
-    loading.start_load(StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, ids, 0, 48)]))
+    loading.start_load(
+        StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, (ids,), 0, 48)])
+    )
     started = time.monotonic()
     for name in DEEP_NAMES:
         loading.wait_for_layer(name)
@@ -365,7 +379,9 @@ def test_the_loop_dying_mid_waves_fails_the_load_without_waiting_out_the_deadlin
     dst = deep_layers(seed=None)
     loading = held_worker(registry, tmp_path, dst, timeout_s=30)
     ids = (5, 2, 11, 6, 8, 10)
-    loading.start_load(StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, ids, 0, 48)]))
+    loading.start_load(
+        StepPlan(loads=[LoadSpec("r2", tokens_to_bytes(TOKENS), None, (ids,), 0, 48)])
+    )
     loading.wait_for_layer(DEEP_NAMES[0])  # the first wave arrived
     assert torch.equal(dst[DEEP_NAMES[0]][list(ids)], src[DEEP_NAMES[0]][[3, 7, 1, 9, 0, 4]])
     started = time.monotonic()
@@ -376,4 +392,59 @@ def test_the_loop_dying_mid_waves_fails_the_load_without_waiting_out_the_deadlin
     assert time.monotonic() - started < 10
     assert loading.take_failed_blocks() == set(ids)
     assert not dst[DEEP_NAMES[1]].any()
+    registry.release(loading._entry)
+
+
+def settle(w: WorkerSide) -> tuple[set[str], set[str]]:
+    """Wait for the worker's asynchronous loads to end; return what `take_loads` reports."""
+    deadline = time.monotonic() + 10
+    received: set[str] = set()
+    failed: set[str] = set()
+    while w._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+        got, bad = w.take_loads()
+        received |= got
+        failed |= bad
+    return received, failed
+
+
+def test_hybrid_layers_move_through_their_group_blocks_and_loads_are_asynchronous(registry):
+    """Under vLLM's hybrid KV-cache manager each layer has its KV-cache group's blocks:
+    saves gather each layer from its group's blocks, chunk by chunk as steps complete
+    them; an asynchronous load writes every layer at once, skips the null blocks behind a
+    window, and reports the request received (or failed)."""
+    groups = {NAMES[0]: 0, NAMES[1]: 1}
+    src = paged_layers(seed=7)
+    saving = worker(registry, src, groups=groups)
+    first = SaveSpec("r1", tokens_to_bytes(TOKENS[:16]), None, ((0, 1), (6, 7)))
+    rest = SaveSpec("r1", tokens_to_bytes(TOKENS), None, ((2, 3, 4, 5), (8, 9, 10, 11)), start=16)
+    for spec in (first, rest):  # two steps of a chunked prefill
+        saving.begin_saves(StepPlan(saves=[spec]))
+        for name in NAMES:
+            saving.save_layer(name, src[name])
+        saving.finish_step()
+    assert saving.flush(10)
+    assert saving.take_counts()["saved_tokens"] == 48
+
+    dst = paged_layers(seed=None)
+    loading = worker(registry, dst, groups=groups, async_loads=True)
+    behind = (0, 0, 2, 3, 4, 5)  # the window's group: its first chunk's blocks were freed
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, ((6, 7, 8, 9, 10, 11), behind), 0, 48)
+    loading.start_load(StepPlan(loads=[spec]))
+    for name in NAMES:
+        loading.wait_for_layer(name)  # not in the forward pass: nothing waits here
+    loading.finish_step()
+    assert settle(loading) == ({"r2"}, set())
+    assert torch.equal(dst[NAMES[0]][6:12], src[NAMES[0]][0:6])
+    assert torch.equal(dst[NAMES[1]][2:6], src[NAMES[1]][8:12])
+    assert not dst[NAMES[1]][0].any()  # the null block is never written
+    assert loading.take_failed_blocks() == set()
+    assert loading.take_counts()["loaded_tokens"] == 48
+
+    other = [t + 1000 for t in TOKENS]  # never stored: the load comes up short
+    missing = LoadSpec("r3", tokens_to_bytes(other), None, ((6, 7, 8, 9, 10, 11), behind), 0, 48)
+    loading.start_load(StepPlan(loads=[missing]))
+    assert settle(loading) == ({"r3"}, {"r3"})
+    assert loading.take_failed_blocks() == set()  # vLLM takes failed requests, not blocks
+    registry.release(saving._entry)
     registry.release(loading._entry)

@@ -78,9 +78,9 @@ def requests() -> dict[str, Any]:
     side._kv_events = True  # vLLM's KV events on: the plan names its blocks
     side.on_new_request(r)
     matched = side.get_num_new_matched_tokens(r, 0)
-    side.update_state_after_alloc(r, list(range(7)), 64)
+    side.update_state_after_alloc(r, (list(range(7)),), 64)
     r.num_computed_tokens = 64
-    plan = side.build_plan({"r": 36}, lambda _: list(range(7)))
+    plan = side.build_plan({"r": 36}, lambda _: (list(range(7)),))
     (load,), (save,) = plan.loads, plan.saves
     own = np.asarray(r.all_token_ids[:96], dtype="<i8").tobytes()
     return {

@@ -39,8 +39,9 @@ Scenarios:
   engine at start-up with the field named.
 - `multimodal`, `embeds`: prompts with images on a tiny BLIP-2, prompts given as
   embeddings (vllm_multimodal_scenario.py).
-- `sliding`: a hybrid model (a window on even layers): refused with vLLM's hybrid
-  KV-cache manager on, pooled with it off.
+- `sliding`: a hybrid model (a window on even layers), pooled under vLLM's hybrid
+  KV-cache manager (also with chunked prefill) and shared with an engine that has it off;
+  `sliding-mp`: the same model in vLLM's default multiprocess mode.
 """
 
 from __future__ import annotations
@@ -226,6 +227,11 @@ async def store_other_values(config: dict[str, Any], layout: Any, prompts: list[
     return stored
 
 
+async def failing_tier_call(*args: Any, **kwargs: Any) -> Any:
+    """Stand in for a tier method that fails (an injected fault)."""
+    raise OSError("kvtiers test: injected tier failure")
+
+
 def on_other_values(
     model: str, work: Path, layout: Any, prompts: list[list[int]], logprobs: int | None = None
 ) -> tuple[int, list[dict[str, Any]]]:
@@ -278,14 +284,11 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     d = Engine(model, tiers(work), prefix_caching=False)
     lmdb_tier = d.connector._worker._entry.cache.tiers[1]
 
-    async def failing(*args: Any, **kwargs: Any) -> Any:
-        raise OSError("kvtiers test: injected tier failure")
-
-    lmdb_tier.get = failing  # the lookup still finds the chunks; every load fails
+    lmdb_tier.get = failing_tier_call  # the lookup still finds the chunks; every load fails
     result["failing_get"] = d.generate(prompts)
     result["failing_get_stats"] = dict(d.reported)
     del lmdb_tier.get
-    lmdb_tier.contains = failing  # now the lookup itself fails
+    lmdb_tier.contains = failing_tier_call  # now the lookup itself fails
     result["failing_contains"] = d.generate(prompts)
     result["failing_stats"] = d.reported
     d.close()
@@ -368,25 +371,60 @@ def scenario_mla(model: str, work: Path) -> dict[str, Any]:
 
 
 def scenario_sliding(model: str, work: Path) -> dict[str, Any]:
-    """A hybrid model (`build_tiny_llama.py --sliding`): a window on even layers."""
+    """A hybrid model (`build_tiny_llama.py --sliding`): a 64-token window on even layers.
+
+    Under vLLM's hybrid KV-cache manager (two KV-cache groups, window blocks freed as a
+    request advances): engine A stores, a fresh engine B loads; engine C prefills in steps
+    of 80 tokens (chunks straddle steps, vLLM frees window blocks meanwhile) into another
+    LMDB path, and engine D, with the manager off (one pool for both), loads it for the
+    prompts and for one that shares only two chunks (so its first window reads chunk 1,
+    which C saved before vLLM freed its window blocks); engine E loads other values
+    (negative control). Engine G's loads all fail: its requests are recomputed whole.
+    """
     prompts = make_prompts(seed=3)
+    rng = random.Random(4)  # a prompt sharing only two chunks: its window reads chunk 1
+    short = prompts[0][: 2 * CHUNK] + [rng.randrange(3, 500) for _ in range(100)]
     result: dict[str, Any] = {}
-    base = Engine(model, None, prefix_caching=False)  # vLLM's hybrid KV-cache manager on
+    base = Engine(model, None, prefix_caching=False, logprobs=TOP)  # hybrid manager on
     result["baseline"] = base.generate(prompts)
+    result["baseline_short"] = base.generate([short])
     base.close()
-    try:
-        Engine(model, tiers(work), prefix_caching=False).close()
-        result["hybrid_manager"] = "accepted"
-    except Exception as exc:  # vLLM wraps the connector's error in its own
-        result["hybrid_manager"] = f"{type(exc).__name__}: {exc}"
-    flat = {"disable_hybrid_kv_cache_manager": True}
-    a = Engine(model, tiers(work), prefix_caching=False, **flat)
+    a = Engine(model, tiers(work), prefix_caching=False, logprobs=TOP)
     result["engine_a"] = [a.generate([p])[0] for p in prompts]  # one after another
+    layout = a.connector.layout
     a.close()
-    b = Engine(model, tiers(work), prefix_caching=False, **flat)
+    b = Engine(model, tiers(work), prefix_caching=False, logprobs=TOP)
     result["engine_b"] = b.generate(prompts)
     result["engine_b_tier_hits"] = tier_hits(b.connector)
+    result["engine_b_stats"] = dict(b.reported)
     b.close()
+    g = Engine(model, tiers(work), prefix_caching=False, logprobs=TOP)
+    lmdb_tier = g.connector._worker._entry.cache.tiers[1]
+
+    lmdb_tier.get = failing_tier_call  # the lookup finds the chunks; every async load fails
+    result["failing_get"] = g.generate(prompts)
+    result["failing_get_stats"] = dict(g.reported)
+    g.close()
+    steps = tiers(work, lmdb_name="lmdb-steps")
+    c = Engine(
+        model,
+        steps,
+        prefix_caching=False,
+        logprobs=TOP,
+        max_num_batched_tokens=80,
+        enable_chunked_prefill=True,
+    )
+    result["engine_c"] = c.generate(prompts[:1])
+    c.close()
+    # NOTE: with the manager off every layer attends to every token, so engine D reads
+    # each chunk's window layers whole: what C saved while vLLM freed window blocks.
+    flat = {"disable_hybrid_kv_cache_manager": True}
+    d = Engine(model, steps, prefix_caching=False, logprobs=TOP, **flat)
+    result["engine_d"] = d.generate(prompts)
+    result["engine_d_short"] = d.generate([short])
+    d.close()
+    stored, result["engine_e"] = on_other_values(model, work, layout, prompts, logprobs=TOP)
+    result["engine_e_stored"] = stored
     return result
 
 
@@ -445,6 +483,21 @@ def scenario_multiprocess(model: str, work: Path) -> dict[str, Any]:
     rest = engine.generate(prompts)
     engine.close()
     return {"first": first, "all": rest, "start_seconds": engine.start_seconds}
+
+
+def scenario_sliding_mp(model: str, work: Path) -> dict[str, Any]:
+    """The hybrid model in vLLM's default mode (scheduler and worker in two processes),
+    hybrid KV-cache manager on, a DRAM tier only: every hit went through the lookup channel,
+    and every asynchronous load was reported received from the worker's process."""
+    prompts = make_prompts(seed=3)
+    base = Engine(model, None, prefix_caching=False)
+    baseline = base.generate(prompts)
+    base.close()
+    engine = Engine(model, tiers(work, lmdb_name=None), prefix_caching=False)
+    first = engine.generate(prompts[:1])
+    rest = engine.generate(prompts)
+    engine.close()
+    return {"baseline": baseline, "first": first, "all": rest}
 
 
 def bind_ranks(count: int) -> None:
@@ -672,6 +725,7 @@ def main() -> None:
             "embeds",
             "refused",
             "sliding",
+            "sliding-mp",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -681,6 +735,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.scenario not in (
         "multiprocess",
+        "sliding-mp",
         "tp2",
         "pp2",
         "mla-tp2",
@@ -724,6 +779,8 @@ def main() -> None:
         result = scenario_refused(args.model, args.work)
     elif args.scenario == "sliding":
         result = scenario_sliding(args.model, args.work)
+    elif args.scenario == "sliding-mp":
+        result = scenario_sliding_mp(args.model, args.work)
     elif args.scenario == "embeds":
         from vllm_multimodal_scenario import scenario_embeds
 
