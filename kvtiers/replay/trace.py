@@ -286,6 +286,10 @@ class _Builder:
             raise self.error(f"timestamp: expected a number >= 0, got {value!r:.40}", line)
         if value > sys.float_info.max or not math.isfinite(value):  # an int beyond floats too
             raise self.error(f"timestamp: expected a finite number, got {value!r:.40}", line)
+        if isinstance(value, int) and float(value) != value:  # past 2**53: rounded, not kept
+            raise self.error(
+                f"timestamp: {value!r:.40} is not held exactly by a float (over 2**53)", line
+            )
         if self.timestamps and value < self.timestamps[-1]:
             raise self.error(
                 f"timestamp {value} is earlier than the previous request's "

@@ -213,6 +213,7 @@ def test_replay_json_nested_too_deep_names_the_line(tmp_path, capsys):
         ('{"tokens":[1,2,3,4],"salt":"\\ud800"}', "line 1: salt: not encodable as UTF-8"),
         ('{"tokens":[' + "9" * 5000 + "]}", "line 1: not valid JSON: Exceeds the limit"),
         (json.dumps({**mooncake([1]), "timestamp": int(NINES)}), "expected a finite number"),
+        (json.dumps({**mooncake([1]), "timestamp": 2**53 + 1}), "not held exactly by a float"),
         (json.dumps({**mooncake([1]), "input_length": int(NINES)}), "from 0 to 2**53"),
     ],
 )
