@@ -253,6 +253,8 @@ class StepPlan:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    idle: bool = False
+    """The step computes no token (its requests wait, e.g. for asynchronous loads)."""
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves)

@@ -358,6 +358,7 @@ class SchedulerSide:
             block_ids_of: the block ids of a scheduled request, per KV-cache group.
         """
         plan, self._plan = self._plan, StepPlan()
+        plan.idle = not any(num_scheduled_tokens.values())
         for req_id, num_new in num_scheduled_tokens.items():
             tracked = self._reqs.get(req_id)
             if tracked is None or not tracked.eligible or not self._role.saves:

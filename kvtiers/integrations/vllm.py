@@ -334,7 +334,8 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             sent = {s.req_id for s in plan.saves if s.finished} if plan is not None else set()
         else:
             sent = self._worker.take_finished()
-            loaded, load_failed = self._worker.take_loads()
+            plan = self._plan()
+            loaded, load_failed = self._worker.take_loads(idle=plan is not None and plan.idle)
             received |= loaded
             failed |= load_failed
         return KVConnectorTransferResults(

@@ -269,8 +269,11 @@ def test_hybrid_loads_are_asynchronous_and_a_failed_one_is_not_retried():
     assert s.get_num_new_matched_tokens(r, 0) == (256, True)
     blocks = (list(range(19)), [0] * 12 + list(range(200, 207)))  # window: nulls behind it
     s.update_state_after_alloc(r, blocks, 256)
-    (load,) = s.build_plan({}, lambda _: None).loads
+    plan = s.build_plan({}, lambda _: None)  # the request waits for its chunks
+    (load,) = plan.loads
     assert load.block_ids == (tuple(range(16)), (0,) * 12 + tuple(range(200, 204)))
+    assert plan.idle  # no token computed: the workers may wait for the load
+    assert not s.build_plan({"r9": 1}, lambda _: None).idle
     s.load_failed({"r1", "unknown"})
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     assert s.take_counts()["load_failed_requests"] == 1

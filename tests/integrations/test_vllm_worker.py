@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtiers import TieredCache
+from kvtiers.integrations import _vllm_worker as worker_module
 from kvtiers.integrations._runtime import CacheRegistry
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_plan import (
@@ -408,7 +409,9 @@ def settle(w: WorkerSide) -> tuple[set[str], set[str]]:
     return received, failed
 
 
-def test_hybrid_layers_move_through_their_group_blocks_and_loads_are_asynchronous(registry):
+def test_hybrid_layers_move_through_their_group_blocks_and_loads_are_asynchronous(
+    registry, monkeypatch
+):
     """Under vLLM's hybrid KV-cache manager each layer has its KV-cache group's blocks:
     saves gather each layer from its group's blocks, chunk by chunk as steps complete
     them; an asynchronous load writes every layer at once, skips the null blocks behind a
@@ -440,6 +443,12 @@ def test_hybrid_layers_move_through_their_group_blocks_and_loads_are_asynchronou
     assert not dst[NAMES[1]][0].any()  # the null block is never written
     assert loading.take_failed_blocks() == set()
     assert loading.take_counts()["loaded_tokens"] == 48
+
+    # An idle step (nothing computed) waits a little for a load to end, instead of
+    # reporting nothing and stepping again at once; here the wait is made long.
+    monkeypatch.setattr(worker_module, "_IDLE_WAIT_S", 30.0)
+    loading.start_load(StepPlan(loads=[spec]))
+    assert loading.take_loads(idle=True) == ({"r2"}, set())
 
     other = [t + 1000 for t in TOKENS]  # never stored: the load comes up short
     missing = LoadSpec("r3", tokens_to_bytes(other), None, ((6, 7, 8, 9, 10, 11), behind), 0, 48)

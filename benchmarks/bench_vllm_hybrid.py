@@ -1,0 +1,192 @@
+"""Time to first token of a hybrid model in a real vLLM engine, hybrid KV-cache manager on.
+
+A random-weight Llama whose even layers attend to a 512-token window
+(`tests/integrations/build_tiny_llama.py --sliding 512`; two KV-cache groups in vLLM).
+Every prompt is one shared prefix plus a distinct tail, answered with one greedy token, one
+request at a time; all rows from one run (one process, engines built one after another with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`), medians over the prompts:
+
+- no cache, and the floor (vLLM's own prefix cache warm), both under the hybrid manager;
+- kvtiers under the hybrid manager (its loads are asynchronous: the request waits a step
+  for its chunks): from LMDB (a fresh engine per request, page cache warm) and from DRAM
+  (a restarted engine's second pass; three engines), and new prompts sharing only the
+  prefix;
+- the same with `disable_hybrid_kv_cache_manager` (kvtiers loads layer by layer in the
+  forward pass; vLLM keeps every window token's KV), from one shared pool: the hybrid
+  engines stored it, so the rows also show that the two share chunks. The two modes take
+  turns engine by engine.
+
+The pair of rows that matters is kvtiers with the manager on against off: what the
+asynchronous load costs. Needs `.venv-vllm` (built by `python -m pytest tests/integrations`).
+
+Run: `python -m benchmarks.bench_vllm_hybrid [--quick]`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import Result, main
+from benchmarks.bench_vllm_ttft import (
+    ROOT,
+    SIZES,
+    VLLM_PYTHON,
+    _close,
+    _engine,
+    _fresh_each,
+    _kvtiers,
+    _log,
+    _ttft,
+    _ttfts,
+    build_model,
+)
+
+WINDOW = 512
+_MARK = "HYBRID_RESULT "
+_MODES: dict[str, dict[str, Any]] = {
+    "hybrid": {},
+    "flat": {"disable_hybrid_kv_cache_manager": True},
+}
+_ROUNDS = 3  # engines per mode for the DRAM and new-prompt rows
+
+
+def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) -> dict[str, Any]:
+    """Run every row in this (vLLM) process; return the timings."""
+    import random
+
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    head = tokens(shared)
+    prompts = [head + tokens(distinct) for _ in range(count)]
+    # New tails, same prefix: one set per kvtiers mode and round, since each engine stores
+    # what it serves.
+    fresh = {
+        (tag, r): [head + tokens(distinct) for _ in range(count // _ROUNDS)]
+        for tag in _MODES
+        for r in range(_ROUNDS)
+    }
+    warmup = tokens(shared + distinct)
+    out: dict[str, Any] = {}
+
+    def put(row: str, res: tuple[list[float], list[int]]) -> None:
+        out[row], out[f"cached_{row}"] = res
+        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
+
+    _log("no cache")
+    llm = _engine(model, None)
+    _ttft(llm, warmup)
+    put("none", _ttfts(llm, prompts))
+    put("none_new", _ttfts(llm, [p for r in range(_ROUNDS) for p in fresh["hybrid", r]]))
+    _close(llm)
+
+    _log("floor: vLLM prefix cache")
+    llm = _engine(model, None, prefix_caching=True)
+    _ttft(llm, warmup)
+    _ttfts(llm, prompts)
+    put("floor", _ttfts(llm, prompts))
+    _close(llm)
+
+    kv = _kvtiers(work / "kv", None)
+    _log("kvtiers: fill (hybrid manager on)")
+    llm = _engine(model, kv)
+    _ttfts(llm, [warmup, *prompts])
+    _close(llm)
+    # The two modes take turns, engine by engine, so that the machine's slow spells
+    # (single requests here swing 2-5x) fall on both.
+    for row in ("lmdb", "dram", "new"):
+        for tag in _MODES:
+            out[f"{tag}_{row}"], out[f"cached_{tag}_{row}"] = [], []
+
+    def add(row: str, tag: str, res: tuple[list[float], list[int]]) -> None:
+        out[f"{tag}_{row}"] += res[0]
+        out[f"cached_{tag}_{row}"] += res[1]
+        _log(f"{tag}_{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
+
+    for prompt in prompts:
+        for tag, args in _MODES.items():
+            add("lmdb", tag, _fresh_each(model, kv, warmup, [prompt], cold=False, **args))
+    for r in range(_ROUNDS):
+        for tag, args in _MODES.items():
+            llm = _engine(model, kv, **args)
+            _ttfts(llm, prompts)  # loads from LMDB, promotes into DRAM
+            add("dram", tag, _ttfts(llm, prompts))
+            add("new", tag, _ttfts(llm, fresh[tag, r]))
+            _close(llm)
+    return out
+
+
+def run(quick: bool) -> list[Result]:
+    """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
+    layers, hidden, shared, distinct, _ = SIZES["quick" if quick else "full"]
+    # More prompts than bench_vllm_ttft: single requests here swing 2-5x on this 2-core
+    # machine, so the medians need more of them.
+    count = _ROUNDS if quick else 3 * _ROUNDS
+    with tempfile.TemporaryDirectory(prefix="kvtiers-hybrid-") as tmp:
+        work = Path(tmp)
+        model, env = build_model(work, layers, hidden, "--sliding", str(WINDOW))
+        cmd = [str(VLLM_PYTHON), "-m", "benchmarks.bench_vllm_hybrid", "--engine", str(model),
+               str(work), str(shared), str(distinct), str(count)]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"engine side failed:\n{proc.stdout[-4000:]}")
+        data = json.loads(lines[-1][len(_MARK) :])
+    med: dict[str, float] = {
+        k: statistics.median(v)
+        for k, v in data.items()
+        if isinstance(v, list) and not k.startswith("cached_")
+    }
+    base, floor, new_base = med["none"], med["floor"], med["none_new"]
+    size = (f"{layers} layers x {hidden}, window {WINDOW} on even layers, {shared} shared + "
+            f"{distinct} distinct tokens, {count} prompts")  # fmt: skip
+
+    def row(name: str, key: str, against: float, notes: str = "") -> Result:
+        cached = f"{min(data[f'cached_{key}'])} tokens cached (min)"
+        above = f"above floor {(med[key] - floor) * 1e3:,.0f} ms"
+        return Result(name, med[key] * 1e3, against * 1e3, "ms", against / med[key], "-", None,
+                      "; ".join(n for n in (cached, above, notes) if n))  # fmt: skip
+
+    results = [
+        Result.of_times("TTFT, no cache (hybrid manager on)", base, None, notes=size),
+        row("TTFT, vLLM prefix cache warm (floor)", "floor", base),
+        row("TTFT, kvtiers LMDB, hybrid manager on", "hybrid_lmdb", base),
+        row("TTFT, kvtiers LMDB, hybrid manager off", "flat_lmdb", base),
+        row("TTFT, kvtiers DRAM, hybrid manager on", "hybrid_dram", base),
+        row("TTFT, kvtiers DRAM, hybrid manager off", "flat_dram", base),
+        Result.of_times(
+            "TTFT, new prompts, no cache", new_base, None, notes="shared prefix + unseen tail"
+        ),  # fmt: skip
+        row("TTFT, new prompts, kvtiers DRAM, hybrid manager on", "hybrid_new", new_base),
+        row("TTFT, new prompts, kvtiers DRAM, hybrid manager off", "flat_new", new_base),
+        Result(
+            "TTFT, kvtiers DRAM, manager on vs off (async load cost)",
+            med["hybrid_dram"] * 1e3,
+            med["flat_dram"] * 1e3,
+            "ms",
+            med["flat_dram"] / med["hybrid_dram"],
+            "-",
+            None,
+            "ratio: off / on",
+        ),  # fmt: skip
+    ]
+    print(_MARK + json.dumps({"medians_ms": {k: v * 1e3 for k, v in med.items()}, **data}))
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "--engine":
+        _, _, model_dir, work_dir, shared_tokens, distinct_tokens, num = sys.argv
+        out = engine_side(model_dir, Path(work_dir), int(shared_tokens), int(distinct_tokens),
+                          int(num))  # fmt: skip
+        print(_MARK + json.dumps(out), flush=True)
+    else:
+        main(run, __doc__.splitlines()[0])
