@@ -255,6 +255,8 @@ class StepPlan:
     saves: list[SaveSpec] = field(default_factory=list)
     idle: bool = False
     """The step computes no token (its requests wait, e.g. for asynchronous loads)."""
+    waiting: bool = False
+    """A request was told to ask again later (a lookup runs, or announced KV is due)."""
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves)

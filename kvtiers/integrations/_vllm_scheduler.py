@@ -195,16 +195,21 @@ class SchedulerSide:
         tracked.asked_computed = num_computed_tokens
         if tracked.answer is None:
             if tracked.future is None and self._clock() < tracked.next_lookup_at:
-                return None, False
+                return self._ask_later()
             hit = self._await_lookup(tracked, whole)
             if hit is not None and tracked.awaited:
                 hit = self._handoff(tracked, hit, min(tracked.awaited, whole), num_computed_tokens)
             if hit is None:
-                return None, False
+                return self._ask_later()
             tracked.answer = hit
             tracked.cached = max(tracked.cached, hit)
         offered = max(0, min(tracked.answer, limit) - num_computed_tokens)
         return offered, self._async_loads and offered > 0
+
+    def _ask_later(self) -> tuple[None, bool]:
+        """Answer 'ask again later', and tell this step's workers a request waits."""
+        self._plan.waiting = True
+        return None, False
 
     def _keyed(self, tracked: _Tracked, limit: int) -> npt.NDArray[np.int64]:
         """Return the ids that key the first `limit` tokens of `tracked`'s request.

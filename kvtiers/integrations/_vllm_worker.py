@@ -59,8 +59,8 @@ __all__ = ["WorkerSide", "layer_order"]
 logger = logging.getLogger("kvtiers.vllm")
 
 _IDLE_WAIT_S = 0.005
-"""The longest an idle step waits for an asynchronous load (`take_loads`). Short, so that
-a request arriving meanwhile is scheduled with little delay."""
+"""The longest a step that computes nothing pauses (`idle_wait`). Short, so that a request
+arriving meanwhile is scheduled with little delay."""
 
 
 class WorkerSide:
@@ -276,25 +276,32 @@ class WorkerSide:
         failed, self._failed = self._failed, set()
         return failed
 
-    def take_loads(self, idle: bool = False) -> tuple[set[str], set[str]]:
+    def idle_wait(self, waiting: bool) -> None:
+        """Pause a step that computes nothing until a load ends, for `_IDLE_WAIT_S` at most.
+
+        An engine whose requests all wait (for asynchronous loads, or told to ask again
+        later) steps in a tight loop that holds the GIL the loads' threads need and keeps
+        a core busy, while each empty step changes nothing.
+
+        Args:
+            waiting: the scheduler told a request to ask again later in this step.
+        """
+        if self._waiting:
+            futures = [job.future for job in self._waiting]
+            concurrent.futures.wait(futures, _IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+        elif waiting:
+            time.sleep(_IDLE_WAIT_S)
+
+    def take_loads(self) -> tuple[set[str], set[str]]:
         """Settle the asynchronous loads that ended: write them into vLLM's blocks.
 
         A load that delivered every planned token is written, every layer through its
         group's blocks; one that came up short, failed, or outlived `load_timeout_s` is
         given up (vLLM recomputes the request).
 
-        Args:
-            idle: the step computed nothing. Then this first waits up to `_IDLE_WAIT_S`
-                for a load to end: an engine with only waiting requests steps in a tight
-                loop that holds the GIL the loads' threads need, and each empty step
-                would report nothing new.
-
         Returns:
             The requests received (failed ones included, as vLLM wants), and those failed.
         """
-        if idle and self._waiting:
-            futures = [job.future for job in self._waiting]
-            concurrent.futures.wait(futures, _IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         received: set[str] = set()
         failed: set[str] = set()
         still: list[Load] = []

@@ -333,9 +333,11 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             plan = self._plan()
             sent = {s.req_id for s in plan.saves if s.finished} if plan is not None else set()
         else:
-            sent = self._worker.take_finished()
             plan = self._plan()
-            loaded, load_failed = self._worker.take_loads(idle=plan is not None and plan.idle)
+            if plan is not None and plan.idle:
+                self._worker.idle_wait(plan.waiting)
+            sent = self._worker.take_finished()
+            loaded, load_failed = self._worker.take_loads()
             received |= loaded
             failed |= load_failed
         return KVConnectorTransferResults(

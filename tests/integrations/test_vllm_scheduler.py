@@ -119,8 +119,11 @@ def test_a_slow_lookup_asks_again_later_then_gives_up():
     clock.now = 1.0
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     assert len(lookup.asked) == 1  # the same lookup is awaited, not restarted
+    plan = s.build_plan({}, lambda _: None)
+    assert plan.idle and plan.waiting  # the workers may pause this empty step
     lookup.futures[0].set_result(128)
     assert s.get_num_new_matched_tokens(r, 0) == (128, False)
+    assert not s.build_plan({}, lambda _: None).waiting
     r2 = request("r2")
     assert s.get_num_new_matched_tokens(r2, 0) == (None, False)
     clock.now = 10.0

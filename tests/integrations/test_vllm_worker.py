@@ -448,7 +448,10 @@ def test_hybrid_layers_move_through_their_group_blocks_and_loads_are_asynchronou
     # reporting nothing and stepping again at once; here the wait is made long.
     monkeypatch.setattr(worker_module, "_IDLE_WAIT_S", 30.0)
     loading.start_load(StepPlan(loads=[spec]))
-    assert loading.take_loads(idle=True) == ({"r2"}, set())
+    loading.idle_wait(waiting=False)
+    assert loading.take_loads() == ({"r2"}, set())
+    monkeypatch.setattr(worker_module, "_IDLE_WAIT_S", 0.0)
+    loading.idle_wait(waiting=True)  # nothing in flight: a pause (of 0 s here)
 
     other = [t + 1000 for t in TOKENS]  # never stored: the load comes up short
     missing = LoadSpec("r3", tokens_to_bytes(other), None, ((6, 7, 8, 9, 10, 11), behind), 0, 48)
