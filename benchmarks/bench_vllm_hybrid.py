@@ -25,26 +25,25 @@ Run: `python -m benchmarks.bench_vllm_hybrid [--quick]`.
 from __future__ import annotations
 
 import json
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Result, main
+from benchmarks._common import Result
 from benchmarks.bench_vllm_ttft import (
-    ROOT,
     SIZES,
-    VLLM_PYTHON,
     _close,
     _engine,
+    _floor,
     _fresh_each,
     _kvtiers,
     _log,
     _ttft,
     _ttfts,
     build_model,
+    engine_main,
+    medians,
+    run_engine_side,
 )
 
 WINDOW = 512
@@ -88,12 +87,7 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     put("none_new", _ttfts(llm, [p for r in range(_ROUNDS) for p in fresh["hybrid", r]]))
     _close(llm)
 
-    _log("floor: vLLM prefix cache")
-    llm = _engine(model, None, prefix_caching=True)
-    _ttft(llm, warmup)
-    _ttfts(llm, prompts)
-    put("floor", _ttfts(llm, prompts))
-    _close(llm)
+    put("floor", _floor(model, warmup, prompts))
 
     kv = _kvtiers(work / "kv", None)
     _log("kvtiers: fill (hybrid manager on)")
@@ -133,18 +127,9 @@ def run(quick: bool) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="kvtiers-hybrid-") as tmp:
         work = Path(tmp)
         model, env = build_model(work, layers, hidden, "--sliding", str(WINDOW))
-        cmd = [str(VLLM_PYTHON), "-m", "benchmarks.bench_vllm_hybrid", "--engine", str(model),
-               str(work), str(shared), str(distinct), str(count)]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"engine side failed:\n{proc.stdout[-4000:]}")
-        data = json.loads(lines[-1][len(_MARK) :])
-    med: dict[str, float] = {
-        k: statistics.median(v)
-        for k, v in data.items()
-        if isinstance(v, list) and not k.startswith("cached_")
-    }
+        args = (model, work, shared, distinct, count)
+        data = run_engine_side("benchmarks.bench_vllm_hybrid", _MARK, env, args)
+    med = medians(data)
     base, floor, new_base = med["none"], med["floor"], med["none_new"]
     size = (f"{layers} layers x {hidden}, window {WINDOW} on even layers, {shared} shared + "
             f"{distinct} distinct tokens, {count} prompts")  # fmt: skip
@@ -183,10 +168,4 @@ def run(quick: bool) -> list[Result]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--engine":
-        _, _, model_dir, work_dir, shared_tokens, distinct_tokens, num = sys.argv
-        out = engine_side(model_dir, Path(work_dir), int(shared_tokens), int(distinct_tokens),
-                          int(num))  # fmt: skip
-        print(_MARK + json.dumps(out), flush=True)
-    else:
-        main(run, __doc__.splitlines()[0])
+    engine_main(_MARK, engine_side, run, __doc__, (str, Path, int, int, int))

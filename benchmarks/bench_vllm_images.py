@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,16 +37,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Result, main
+from benchmarks._common import Result
 from benchmarks.bench_vllm_ttft import (
     BUILDER,
-    ROOT,
     SETTLE_S,
     VLLM_PYTHON,
     _close,
     _example,
     _kvtiers,
     _log,
+    engine_main,
+    medians,
+    run_engine_side,
 )
 
 _MARK = "IMAGES_RESULT "
@@ -180,18 +181,9 @@ def run(quick: bool) -> list[Result]:
         )
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
         env.pop("VIRTUAL_ENV", None)
-        cmd = [str(VLLM_PYTHON), "-m", "benchmarks.bench_vllm_images", "--engine", str(model),
-               str(work), str(text_tokens), str(count)]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"engine side failed:\n{proc.stdout[-4000:]}")
-        data = json.loads(lines[-1][len(_MARK) :])
-    med = {
-        k: statistics.median(v)
-        for k, v in data.items()
-        if isinstance(v, list) and not k.startswith("cached_")
-    }
+        args = (model, work, text_tokens, count)
+        data = run_engine_side("benchmarks.bench_vllm_images", _MARK, env, args)
+    med = medians(data)
     base, floor = med["none"], med["floor"]
 
     def row(name: str, key: str) -> Result:
@@ -212,9 +204,4 @@ def run(quick: bool) -> list[Result]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--engine":
-        _, _, model_dir, work_dir, tokens, num = sys.argv
-        result = engine_side(model_dir, Path(work_dir), int(tokens), int(num))
-        print(_MARK + json.dumps(result), flush=True)
-    else:
-        main(run, __doc__.splitlines()[0])
+    engine_main(_MARK, engine_side, run, __doc__, (str, Path, int, int))

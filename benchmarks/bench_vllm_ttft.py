@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,19 @@ def _ttfts(
     return [t for t, _ in pairs], [c for _, c in pairs]
 
 
+def _floor(
+    model: str, warmup: list[int], prompts: list[list[int]]
+) -> tuple[list[float], list[int]]:
+    """Time `prompts` on vLLM's own prefix cache, warm (each prompt's second request)."""
+    _log("floor: vLLM prefix cache")
+    llm = _engine(model, None, prefix_caching=True)
+    _ttft(llm, warmup)
+    _ttfts(llm, prompts)
+    res = _ttfts(llm, prompts)
+    _close(llm)
+    return res
+
+
 def _fresh_each(
     model: str, connector: dict[str, Any], warmup: list[int], prompts: list[list[int]], *,
     cold: bool, **llm_args: Any,
@@ -186,12 +200,7 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     put("none_new", _ttfts(llm, fresh))
     _close(llm)
 
-    _log("floor: vLLM prefix cache")
-    llm = _engine(model, None, prefix_caching=True)
-    _ttft(llm, warmup)
-    _ttfts(llm, prompts)
-    put("floor", _ttfts(llm, prompts))
-    _close(llm)
+    put("floor", _floor(model, warmup, prompts))
 
     for tag, chunk in (("kv", None), ("kv32", BLOCK)):
         kv = _kvtiers(work / tag, chunk)
@@ -255,24 +264,56 @@ def build_model(work: Path, layers: int, hidden: int, *flags: str) -> tuple[Path
     return model, env
 
 
+def run_engine_side(
+    module: str, mark: str, env: dict[str, str], args: Sequence[object]
+) -> dict[str, Any]:
+    """Run `module`'s engine side under `.venv-vllm`; return what it printed after `mark`.
+
+    Raises:
+        RuntimeError: the engine side failed or printed no result.
+    """
+    cmd = [str(VLLM_PYTHON), "-m", module, "--engine", *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(mark)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine side failed:\n{proc.stdout[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len(mark) :])
+    return result
+
+
+def medians(data: dict[str, Any]) -> dict[str, float]:
+    """Return the median of every timed row of an engine side's result."""
+    return {
+        k: statistics.median(v)
+        for k, v in data.items()
+        if isinstance(v, list) and not k.startswith("cached_")
+    }
+
+
+def engine_main(
+    mark: str,
+    side: Callable[..., dict[str, Any]],
+    run: Callable[[bool], list[Result]],
+    doc: str,
+    kinds: Sequence[Callable[[str], Any]],
+) -> None:
+    """Be the engine side (`--engine ARGS`, converted by `kinds`) or the benchmark."""
+    if len(sys.argv) == 2 + len(kinds) and sys.argv[1] == "--engine":
+        args = [kind(arg) for kind, arg in zip(kinds, sys.argv[2:], strict=True)]
+        print(mark + json.dumps(side(*args)), flush=True)
+    else:
+        main(run, doc.splitlines()[0])
+
+
 def run(quick: bool) -> list[Result]:
     """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
     layers, hidden, shared, distinct, count = SIZES["quick" if quick else "full"]
     with tempfile.TemporaryDirectory(prefix="kvtiers-ttft-") as tmp:
         work = Path(tmp)
         model, env = build_model(work, layers, hidden)
-        cmd = [str(VLLM_PYTHON), "-m", "benchmarks.bench_vllm_ttft", "--engine", str(model),
-               str(work), str(shared), str(distinct), str(count)]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"engine side failed:\n{proc.stdout[-4000:]}")
-        data = json.loads(lines[-1][len(_MARK) :])
-    med: dict[str, float] = {
-        k: statistics.median(v)
-        for k, v in data.items()
-        if isinstance(v, list) and not k.startswith("cached_")
-    }
+        args = (model, work, shared, distinct, count)
+        data = run_engine_side("benchmarks.bench_vllm_ttft", _MARK, env, args)
+    med = medians(data)
     base, floor = med["none"], med["floor"]
     size = (f"{layers} layers x {hidden}, {shared} shared + {distinct} distinct tokens, "
             f"{count} prompts")  # fmt: skip
@@ -318,10 +359,4 @@ def run(quick: bool) -> list[Result]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--engine":
-        _, _, model_dir, work_dir, shared_tokens, distinct_tokens, num = sys.argv
-        out = engine_side(model_dir, Path(work_dir), int(shared_tokens), int(distinct_tokens),
-                          int(num))  # fmt: skip
-        print(_MARK + json.dumps(out), flush=True)
-    else:
-        main(run, __doc__.splitlines()[0])
+    engine_main(_MARK, engine_side, run, __doc__, (str, Path, int, int, int))
