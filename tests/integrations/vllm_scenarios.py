@@ -42,6 +42,8 @@ Scenarios:
 - `sliding`: a hybrid model (a window on even layers), pooled under vLLM's hybrid
   KV-cache manager (also with chunked prefill) and shared with an engine that has it off;
   `sliding-mp`: the same model in vLLM's default multiprocess mode.
+- `pressure`: a KV cache too small for the load, so vLLM preempts requests, and requests
+  aborted mid-load and mid-decode (vllm_pressure_scenario.py); run on both tiny models.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class Engine:
         kv_role: str = "kv_both",
         extra: dict[str, Any] | None = None,
         max_tokens: int = MAX_TOKENS,
+        dtype: str = "bfloat16",
         **llm_args: Any,
     ) -> None:
         from vllm import LLM, SamplingParams
@@ -127,7 +130,7 @@ class Engine:
         started = time.perf_counter()
         self.llm = LLM(
             model=model,
-            dtype="bfloat16",
+            dtype=dtype,
             enforce_eager=compiled is None,
             compilation_config=compiled,
             block_size=BLOCK,
@@ -726,6 +729,7 @@ def main() -> None:
             "refused",
             "sliding",
             "sliding-mp",
+            "pressure",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -785,6 +789,10 @@ def main() -> None:
         from vllm_multimodal_scenario import scenario_embeds
 
         result = scenario_embeds(args.model, args.work)
+    elif args.scenario == "pressure":
+        from vllm_pressure_scenario import scenario_pressure
+
+        result = scenario_pressure(args.model, args.work)
     elif args.scenario == "handoff-tp2":
         from vllm_handoff_scenario import scenario_handoff_tp2
 
