@@ -131,6 +131,24 @@ class Topology:
         return paged, layout
 
 
+def _unsupported(spec: Any) -> str:
+    """Return why a KV-cache group of `spec` is refused, and what the user can do."""
+    name = type(spec).__name__
+    mamba = getattr(kv_cache_interface, "MambaSpec", None)
+    if mamba is not None and isinstance(spec, mamba):
+        # NOTE: vLLM runs state-space and linear-attention models only under its hybrid
+        # KV-cache manager, so its flag to turn the manager off is no way out here.
+        return (
+            "KVTiersConnector pools attention KV, not the recurrent state of a state-space "
+            f"or linear-attention model ({name}), and vLLM runs such a model only under "
+            "its hybrid KV-cache manager; serve this model without the kvtiers connector"
+        )
+    return (
+        f"KVTiersConnector pools full-attention and sliding-window KV, not {name}; "
+        "pass --disable-hybrid-kv-cache-manager"
+    )
+
+
 def _check_supported(
     vllm_config: Any, kv_cache_config: Any, *, store_generated: bool
 ) -> int | None:
@@ -147,10 +165,7 @@ def _check_supported(
             # all live then) and loads skip the freed ones.
             windows.append(int(spec.sliding_window))
             continue
-        raise ValueError(
-            "KVTiersConnector pools full-attention and sliding-window KV, not "
-            f"{type(spec).__name__}; pass --disable-hybrid-kv-cache-manager"
-        )
+        raise ValueError(_unsupported(spec))
     if windows and store_generated:
         # NOTE: generated tokens' window blocks are freed while decoding, before the
         # finished request's save could read them.
