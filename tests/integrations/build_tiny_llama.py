@@ -4,8 +4,9 @@ Run with the vLLM virtualenv's python: `python build_tiny_llama.py OUT_DIR [--la
 --hidden H] [--mla]` (2 layers of 256 by default; benchmarks ask for bigger ones). With
 `--sliding W` even layers attend to a window of W tokens (a hybrid model); with
 `--mla` the model is a dense DeepSeek-V2 instead (multi-head latent attention, the latent
-of 512 + 64 that vLLM's CPU MLA kernel requires); with `--blip2`, a tiny BLIP-2 (images in
-the prompt) with its image processor. Deterministic:
+of 512 + 64 that vLLM's CPU MLA kernel requires); with `--mamba`, a Nemotron-H (a Mamba-2
+layer, then an attention layer: a state-space hybrid); with `--blip2`, a tiny BLIP-2
+(images in the prompt) with its image processor. Deterministic:
 the same seed gives the same weights, so greedy outputs agree across processes.
 """
 
@@ -67,7 +68,7 @@ def _sentences(count: int, seed: int) -> list[str]:
 
 
 def build(
-    out: Path, layers: int = 2, hidden: int = 256, mla: bool = False, sliding: int = 0
+    out: Path, layers: int = 2, hidden: int = 256, kind: str = "llama", sliding: int = 0
 ) -> None:
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -82,7 +83,12 @@ def build(
     fast.save_pretrained(out)
 
     torch.manual_seed(0)
-    model = _deepseek_v2(layers, hidden) if mla else _llama(layers, hidden, sliding)
+    if kind == "mla":
+        model = _deepseek_v2(layers, hidden)
+    elif kind == "mamba":
+        model = _nemotron_h(layers, hidden)
+    else:
+        model = _llama(layers, hidden, sliding)
     model.to(torch.bfloat16).save_pretrained(out)
 
 
@@ -220,16 +226,46 @@ def _deepseek_v2(layers: int, hidden: int) -> Any:
     return DeepseekV2ForCausalLM(config)
 
 
+def _nemotron_h(layers: int, hidden: int) -> Any:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        hybrid_override_pattern=("M*" * layers)[:layers],  # Mamba-2, attention, ...
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 128),
+        head_dim=64,
+        mamba_num_heads=2 * hidden // 64,
+        mamba_head_dim=64,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=64,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        torch_dtype="bfloat16",
+    )
+    return NemotronHForCausalLM(config)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--mla", action="store_true")
+    parser.add_argument("--mamba", action="store_true")
     parser.add_argument("--blip2", action="store_true")
     parser.add_argument("--sliding", type=int, default=0, help="a window for even layers")
     args = parser.parse_args()
     if args.blip2:
         build_blip2(args.out)
     else:
-        build(args.out, args.layers, args.hidden, args.mla, args.sliding)
+        kind = "mla" if args.mla else "mamba" if args.mamba else "llama"
+        build(args.out, args.layers, args.hidden, kind, args.sliding)

@@ -176,6 +176,13 @@ def tiny_sliding(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return _tiny_model(vllm_python, tmp_path_factory, "tiny-sliding", "--sliding", "64")
 
 
+@pytest.fixture(scope="session")
+def tiny_mamba(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Nemotron-H (a Mamba-2 layer, then attention), built offline: a
+    state-space hybrid, a Mamba state group beside the attention group in vLLM."""
+    return _tiny_model(vllm_python, tmp_path_factory, "tiny-mamba", "--mamba")
+
+
 def scenario_env() -> dict[str, str]:
     """Return the environment of a scenario subprocess (no stray venv, quiet, 1 GiB KV)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

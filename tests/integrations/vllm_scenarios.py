@@ -42,6 +42,8 @@ Scenarios:
 - `sliding`: a hybrid model (a window on even layers), pooled under vLLM's hybrid
   KV-cache manager (also with chunked prefill) and shared with an engine that has it off;
   `sliding-mp`: the same model in vLLM's default multiprocess mode.
+- `mamba`: a state-space hybrid (a Mamba-2 layer and an attention layer) runs without
+  kvtiers; with it, the engine stops at start-up saying to serve the model without it.
 - `pressure`: a KV cache too small for the load, so vLLM preempts requests, and requests
   aborted mid-load and mid-decode (vllm_pressure_scenario.py); run on both tiny models.
 """
@@ -696,6 +698,20 @@ def scenario_refused(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
+def scenario_mamba(model: str, work: Path) -> dict[str, Any]:
+    """A state-space hybrid: vLLM answers it alone; with kvtiers it stops at start-up."""
+    prompts = make_prompts(seed=5)
+    base = Engine(model, None, prefix_caching=False)
+    result: dict[str, Any] = {"baseline": base.generate(prompts)}
+    base.close()
+    try:
+        Engine(model, tiers(work), prefix_caching=False)
+        result["kvtiers"] = "accepted"
+    except Exception as exc:  # vLLM wraps the connector's error in its own
+        result["kvtiers"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
 def _vllm_modules_after_importing_kvtiers() -> list[str]:
     """Import kvtiers and the adapter's vLLM-free parts; return the vLLM modules loaded."""
     import kvtiers  # noqa: F401
@@ -730,6 +746,7 @@ def main() -> None:
             "sliding",
             "sliding-mp",
             "pressure",
+            "mamba",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -789,6 +806,8 @@ def main() -> None:
         from vllm_multimodal_scenario import scenario_embeds
 
         result = scenario_embeds(args.model, args.work)
+    elif args.scenario == "mamba":
+        result = scenario_mamba(args.model, args.work)
     elif args.scenario == "pressure":
         from vllm_pressure_scenario import scenario_pressure
 
