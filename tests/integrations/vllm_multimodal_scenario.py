@@ -85,6 +85,9 @@ def scenario_embeds(model: str, work: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     base = Engine(model, None, prefix_caching=False, enable_prompt_embeds=True)
     result["baseline"] = base.generate(token_prompts)
+    # NOTE: engine A answers one prompt at a time; a batch of another shape can flip a
+    # near tie in bf16 on some CPUs (AMX), kvtiers or not, so A has a baseline of its own.
+    result["baseline_alone"] = [base.generate([p])[0] for p in token_prompts]
     result["baseline_embeds"] = base.generate(prompts)
     result["baseline_others"] = base.generate(others)
     result["baseline_mixed"] = base.generate(mixed)
