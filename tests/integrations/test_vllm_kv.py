@@ -68,6 +68,33 @@ def test_scatter_writes_only_the_given_blocks(kind):
             )
 
 
+@pytest.mark.parametrize("kind", ["cpu", "flash", "flash_hnd"])
+@pytest.mark.parametrize(
+    "blocks", [[0, 1, 2, 3, 4, 5], [3, 4, 5, 0, 1], [5, 4, 3], [2, 3, 0, 1], [1, 0, 4, 5, 3, 2]]
+)
+def test_runs_of_consecutive_blocks_move_like_single_blocks(kind, blocks):
+    """Blocks in rising or falling runs (as vLLM hands them out) are copied run by run on
+    the CPU."""
+    layer = _layer(kind)
+    paged = detect_layout(
+        layer, block_size=BS, num_kv_heads=H, head_size=D, prefer_hnd=kind == "flash_hnd"
+    )
+    ids = torch.tensor(blocks)
+    out = torch.empty(2, len(blocks) * BS, H, D, dtype=torch.bfloat16)
+    paged.gather(layer, ids, out)
+    for t in range(len(blocks) * BS):
+        k, v = _token_kv(kind, layer, blocks[t // BS], t % BS)
+        assert torch.equal(out[0, t], k) and torch.equal(out[1, t], v)
+    before = layer.clone()
+    src = torch.randn(3, 2, len(blocks) * BS, H, D).to(torch.bfloat16)[1]
+    paged.scatter(layer, ids, src)
+    for t in range(len(blocks) * BS):
+        k, v = _token_kv(kind, layer, blocks[t // BS], t % BS)
+        assert torch.equal(k, src[0, t]) and torch.equal(v, src[1, t])
+    for b in set(range(NB)) - set(blocks):
+        assert torch.equal(_token_kv(kind, layer, b, 0)[0], _token_kv(kind, before, b, 0)[0])
+
+
 def test_scatter_then_gather_round_trips_strided_sources():
     paged = PagedLayout("cpu", NB, BS, H, D)
     layer = torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)
@@ -90,6 +117,8 @@ def test_mla_latent_blocks_round_trip_and_only_the_given_blocks_change(shape):
     out = torch.empty(1, 2 * BS, latent, dtype=torch.bfloat16)
     paged.gather(layer, torch.tensor([4, 1]), out)
     assert torch.equal(out[0], torch.cat([blocks[4], blocks[1]]))
+    paged.gather(layer, torch.tensor([2, 3]), out)  # one run of two blocks
+    assert torch.equal(out[0], torch.cat([blocks[2], blocks[3]]))
     before = blocks.clone()
     src = torch.randn(3, 1, 3 * BS, latent).to(torch.bfloat16)[1, :, BS:]  # strided
     paged.scatter(layer, torch.tensor([5, 0]), src)
