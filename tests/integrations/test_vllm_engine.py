@@ -348,7 +348,8 @@ def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python,
     assert read["restart_tier_hits"]["lmdb"] > 0
     # Two live processes on one LMDB path: what the writer stores, the reader reuses.
     assert written["flushed"]
-    assert all(o["cached"] == 0 for o in written["written"])
+    assert written["written"][0]["cached"] == 0  # the later ones reuse the first one's
+    # The reader's first prompt can only hit what the writer stored.
     assert tokens(read["from_writer"]) == tokens(written["written"])
     assert all(o["cached"] >= PREFIX for o in read["from_writer"])
 
