@@ -117,12 +117,14 @@ class PagedLayout:
                 (`(1, len(block_ids) * block_size, head_size)` for `"mla"`).
         """
         nb = block_ids.numel()
+        # NOTE: moved before it is permuted: a strided host tensor goes to a device through
+        # a pageable copy, which `non_blocking` cannot overlap.
         if self.kind == "mla":
             blocks = src.reshape(nb, self.block_size, self.head_size)
+            blocks = blocks.to(layer.device, non_blocking=True)
         else:
             payload = src.reshape(2, nb, self.block_size, self.num_kv_heads, self.head_size)
-            blocks = self._from_payload(payload)
-        blocks = blocks.to(layer.device, non_blocking=True)
+            blocks = self._from_payload(payload.to(layer.device, non_blocking=True))
         view, axis = self.blocks_view(layer), self._block_axis()
         if layer.device.type != "cpu":
             view.index_copy_(axis, block_ids, blocks.contiguous())
