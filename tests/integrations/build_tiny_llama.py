@@ -174,6 +174,23 @@ def build_blip2(out: Path, query_tokens: int = 8) -> None:
     ).save_pretrained(out)
 
 
+def _sizes(layers: int, hidden: int) -> dict[str, Any]:
+    """Return the config fields the decoder models share: sizes, heads, special tokens."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": max(1, hidden // 128),
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
+
+
 def _llama(layers: int, hidden: int, sliding: int = 0) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -183,20 +200,7 @@ def _llama(layers: int, hidden: int, sliding: int = 0) -> Any:
     if sliding:
         kinds = ("sliding_attention", "full_attention")
         window = {"layer_types": [kinds[i % 2] for i in range(layers)], "sliding_window": sliding}
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 128),
-        head_dim=64,
-        max_position_embeddings=4096,
-        bos_token_id=0,
-        eos_token_id=1,
-        torch_dtype="bfloat16",
-        **window,
-    )
+    config = LlamaConfig(**_sizes(layers, hidden), **window)
     return LlamaForCausalLM(config)
 
 
@@ -230,14 +234,8 @@ def _nemotron_h(layers: int, hidden: int) -> Any:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     config = NemotronHConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
+        **_sizes(layers, hidden),
         hybrid_override_pattern=("M*" * layers)[:layers],  # Mamba-2, attention, ...
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 128),
-        head_dim=64,
         mamba_num_heads=2 * hidden // 64,
         mamba_head_dim=64,
         n_groups=1,
@@ -245,11 +243,7 @@ def _nemotron_h(layers: int, hidden: int) -> Any:
         conv_kernel=4,
         expand=2,
         chunk_size=64,
-        max_position_embeddings=4096,
-        bos_token_id=0,
-        eos_token_id=1,
         pad_token_id=2,
-        torch_dtype="bfloat16",
     )
     return NemotronHForCausalLM(config)
 
