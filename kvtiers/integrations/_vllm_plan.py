@@ -69,6 +69,8 @@ class ConnectorSettings:
     """How long shutdown waits for saves in flight and write queues."""
     max_pending_saves: int = 64
     """Saves in flight per worker; beyond it a save is skipped (counted), never waited on."""
+    staging_keep_mib: int = 256
+    """Host memory a worker on the CPU keeps between steps to stage the next loads in."""
     socket_dir: str | None = None
     """Folder of the lookup channel's Unix sockets; the system's temp folder by default."""
     on_load_error: Literal["recompute", "fail"] = "recompute"
@@ -133,6 +135,8 @@ class ConnectorSettings:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ConfigError(f"{_WHERE}.{name}: expected a positive integer")
+        if not is_int(self.staging_keep_mib) or self.staging_keep_mib < 0:
+            raise ConfigError(f"{_WHERE}.staging_keep_mib: expected a non-negative integer")
         if self.socket_dir is not None and not isinstance(self.socket_dir, str):
             raise ConfigError(f"{_WHERE}.socket_dir: expected a folder path")
         if self.on_load_error not in ("recompute", "fail"):

@@ -38,6 +38,7 @@ from kvtiers._tensors import torch_dtype
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._runtime import SharedCache
+from kvtiers.integrations._staging import StagingPool
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_loads import (
     Load,
@@ -107,6 +108,8 @@ class WorkerSide:
         self._counts: dict[str, float] = {}
         self._tier_hits = [0] * len(entry.cache.tiers)
         self._copies = CopyStream(self._device)
+        self._pool = None if self._copies.is_cuda else StagingPool(settings.staging_keep_mib << 20)
+        """Where loads stage on the CPU (on a GPU: pinned memory from torch's cache)."""
         self._pipelined = self._copies.is_cuda
         """Whether a step's loads are queued for every layer at once (`_queue_copies`)."""
         self._layer_events: dict[int, Event] = {}  # this step's queued copies, by layer
@@ -125,11 +128,7 @@ class WorkerSide:
         for spec in plan.loads:
             tokens = tokens_of(spec.tokens)
             first = spec.start // chunk
-            staging = torch.empty(
-                self.layout.kv_shape(len(tokens) - first * chunk),
-                dtype=torch_dtype(self.layout),
-                pin_memory=self._copies.is_cuda,  # copies to the device that do not block
-            )
+            staging = self._new_staging(len(tokens) - first * chunk)
             ids = self._ids(spec.block_ids)
             waves: list[tuple[int, int]] = []
             report = functools.partial(self._wave_arrived, waves)
@@ -142,6 +141,22 @@ class WorkerSide:
             future.add_done_callback(self._load_ended)
             job = Load(spec, staging, ids, future, first * chunk, waves, started=time.monotonic())
             (self._waiting if self._async_loads else self._loads).append(job)
+
+    def _new_staging(self, num_tokens: int) -> torch.Tensor:
+        shape, dtype = self.layout.kv_shape(num_tokens), torch_dtype(self.layout)
+        if self._pool is None:  # pinned, so copies to the device do not block
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return self._pool.take(shape, dtype)
+
+    def _release(self, staging: torch.Tensor, done: concurrent.futures.Future[int]) -> None:
+        """Keep the staging of a load or save for later ones, once nothing can use it.
+
+        A load given up or failed may still have a read in flight into it, a failed save
+        a write out of it: their staging is left to Python.
+        """
+        ended = done.done() and not done.cancelled() and done.exception() is None
+        if self._pool is not None and ended:
+            self._pool.give(staging)
 
     def _wave_arrived(self, waves: list[tuple[int, int]], num_layers: int, num_tokens: int) -> None:
         with self._arrived:
@@ -317,6 +332,7 @@ class WorkerSide:
                 if loaded < spec.end:
                     raise RuntimeError(f"{loaded} of {spec.end} tokens found")
                 self._write_whole(job)
+                self._release(job.staging, job.future)
                 self._count("loaded_tokens", spec.end - spec.start)
             except Exception as exc:
                 job.future.cancel()
@@ -344,11 +360,7 @@ class WorkerSide:
         """Prepare the staging tensors of the plan's saves."""
         for spec in plan.saves:
             num_tokens = len(spec.tokens) // 8 - spec.start
-            staging = torch.empty(
-                self.layout.kv_shape(num_tokens),
-                dtype=torch_dtype(self.layout),
-                pin_memory=self._device.type == "cuda",
-            )
+            staging = self._new_staging(num_tokens)
             self._saves.append(Save(spec, staging, self._ids(spec.block_ids)))
 
     def save_layer(self, name: str, layer: torch.Tensor) -> None:
@@ -376,6 +388,7 @@ class WorkerSide:
                 # KV; report the blocks so vLLM recomputes rather than reads garbage.
                 logger.warning("kvtiers: %d layers were never loaded; recomputing", len(missing))
                 self._failed.update(job.spec.block_ids[0])
+            self._release(job.staging, job.future)
         self._loads = []
         self._layer_events = {}
         self._deadline = None
@@ -399,6 +412,8 @@ class WorkerSide:
         with self._lock:
             if len(self._pending) >= self._settings.max_pending_saves:
                 self._counts["saves_skipped"] = self._counts.get("saves_skipped", 0) + 1
+                if self._pool is not None:
+                    self._pool.give(job.staging)
                 return
         spec = job.spec
         first = spec.start // self.layout.chunk_size
@@ -407,9 +422,10 @@ class WorkerSide:
         )
         with self._lock:
             self._pending.add(future)
-        future.add_done_callback(self._store_done)
+        future.add_done_callback(functools.partial(self._store_done, job.staging))
 
-    def _store_done(self, future: concurrent.futures.Future[int]) -> None:
+    def _store_done(self, staging: torch.Tensor, future: concurrent.futures.Future[int]) -> None:
+        self._release(staging, future)
         with self._lock:
             self._pending.discard(future)
         if future.cancelled():

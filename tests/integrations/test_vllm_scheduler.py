@@ -230,6 +230,10 @@ def test_settings_are_validated_by_name():
         ConnectorSettings.from_extra({"on_load_error": "ignore"})
     with pytest.raises(ConfigError, match="event_chunks: expected a positive integer"):
         ConnectorSettings.from_extra({"event_chunks": 0})
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="staging_keep_mib: expected a non-negative"):
+            ConnectorSettings.from_extra({"staging_keep_mib": bad})
+    assert ConnectorSettings.from_extra({"staging_keep_mib": 0}).staging_keep_mib == 0
     assert ConnectorSettings.from_extra(None).tiers_source()["tiers"][0]["kind"] == "dram"
 
 

@@ -100,6 +100,32 @@ def test_saved_blocks_load_back_into_other_blocks(registry, pipelined):
     registry.release(saving._entry)
 
 
+def test_the_staging_of_a_step_serves_the_next_steps(registry):
+    layers = paged_layers(seed=3)
+    w = worker(registry, layers)
+    saves = [SaveSpec("r1", tokens_to_bytes(TOKENS), None, ((0, 1, 2, 3, 4, 5),))]
+    w.begin_saves(StepPlan(saves=saves))
+    staged = w._saves[0].staging.data_ptr()
+    for name in NAMES:
+        w.save_layer(name, layers[name])
+    w.finish_step()
+    assert w.flush(10)
+    assert w._pool.idle_bytes > 0  # back once the cache holds the chunks
+    spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, ((6, 7, 8, 9, 10, 11),), 0, 48)
+    w.start_load(StepPlan(loads=[spec]))
+    assert w._loads[0].staging.data_ptr() == staged
+    for name in NAMES:
+        w.wait_for_layer(name)
+    w.finish_step()
+    assert w.take_failed_blocks() == set()
+    for got, want in zip(
+        blocks_of(layers, [6, 7, 8, 9, 10, 11]), blocks_of(layers, [0, 1, 2, 3, 4, 5]), strict=True
+    ):
+        assert torch.equal(got, want)
+    assert w._pool.idle_bytes > 0
+    registry.release(w._entry)
+
+
 def test_blocks_beyond_the_cached_prefix_are_reported_failed(registry):
     layers = paged_layers(seed=2)
     w = worker(registry, layers)
@@ -361,6 +387,7 @@ def test_a_load_past_its_deadline_mid_waves_fails_every_block_and_frees_the_cach
     assert loading.take_failed_blocks() == set(ids)
     counts = loading.take_counts()
     assert counts["load_errors"] == 1 and counts.get("loaded_tokens", 0) == 0
+    assert loading._pool.idle_bytes == 0  # a given-up load's staging may still be written
     entry = loading._entry
     deadline = time.monotonic() + 5
     while entry.loop.run(_pins(entry.cache), 5) and time.monotonic() < deadline:

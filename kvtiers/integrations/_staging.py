@@ -1,0 +1,79 @@
+"""Host staging buffers kept between an engine's steps.
+
+A load is read into a staging tensor before it is written into the engine's blocks. A new
+host tensor of tens of MiB is fresh memory from the operating system, and its first write
+faults every page in: on a 2-core VM, 48 MiB took 14.5 ms to allocate and fill against
+3.2 ms for the copy alone into a buffer used before. `StagingPool` keeps the buffers of
+finished loads for the next ones.
+
+It serves pageable CPU memory only: pinned buffers for a GPU come from torch's caching
+host allocator, which already reuses them and, unlike this pool, knows when the device's
+copies out of them have finished.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+__all__ = ["StagingPool"]
+
+
+def _rounded(num_bytes: int) -> int:
+    """Round up to a size class: four classes per power of two (at most 25% unused)."""
+    if num_bytes <= 1 << 16:
+        return 1 << 16
+    step = 1 << (math.ceil(math.log2(num_bytes)) - 2)
+    return -(-num_bytes // step) * step
+
+
+class StagingPool:
+    """Reuse host staging buffers, up to `max_bytes` of them idle.
+
+    `take` hands out a tensor viewing an idle buffer that fits (the smallest), or a new
+    one; `give` returns it once nothing reads or writes it any more. A tensor never given
+    back is simply freed by Python. Thread-safe: loads end on the cache's loop thread.
+
+    Args:
+        max_bytes: the most idle bytes kept; a returned buffer beyond it is freed.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._idle: list[torch.Tensor] = []  # flat uint8 buffers, smallest first
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def idle_bytes(self) -> int:
+        """The bytes of the idle buffers kept."""
+        return self._idle_bytes
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Return an uninitialised CPU tensor of `shape` and `dtype`."""
+        need = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            found = next((i for i, b in enumerate(self._idle) if b.numel() >= need), None)
+            if found is not None:
+                buffer = self._idle.pop(found)
+                self._idle_bytes -= buffer.numel()
+        if found is None:
+            buffer = torch.empty(_rounded(need), dtype=torch.uint8)
+        return buffer[:need].view(dtype).view(shape)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Keep the buffer under `tensor` (from `take`) for a later `take`.
+
+        The caller guarantees that nothing reads or writes `tensor` any more.
+        """
+        storage = tensor.untyped_storage()
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        size = buffer.numel()
+        with self._lock:
+            if self._idle_bytes + size > self._max_bytes:
+                return
+            self._idle.append(buffer)
+            self._idle.sort(key=torch.Tensor.numel)
+            self._idle_bytes += size
