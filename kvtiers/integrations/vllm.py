@@ -34,6 +34,7 @@ from kvtiers.cache import TieredCache
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
+from kvtiers.integrations._amx import request_amx_tiles
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_events import EventQuorum, WorkerEvents, kv_events_on
@@ -234,6 +235,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def _start_worker(self, kv_caches: dict[str, torch.Tensor]) -> WorkerSide:
         config, topology = self._vllm_config, self._topology
+        if next(iter(kv_caches.values())).device.type == "cpu" and request_amx_tiles():
+            # NOTE: or a load of all but a token, as a fresh engine's first forward pass,
+            # dies in vLLM's AMX attention kernel (see `_amx`).
+            logger.debug("kvtiers: this process may use AMX tiles")
         paged, layout = topology.worker_layout(
             config,
             kv_caches,

@@ -183,6 +183,14 @@ def tiny_mamba(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return _tiny_model(vllm_python, tmp_path_factory, "tiny-mamba", "--mamba")
 
 
+def cpu_has_amx() -> bool:
+    """Return whether this CPU has AMX tiles (Linux's `/proc/cpuinfo` says `amx_tile`)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def scenario_env() -> dict[str, str]:
     """Return the environment of a scenario subprocess (no stray venv, quiet, 1 GiB KV)."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

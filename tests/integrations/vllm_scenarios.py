@@ -79,6 +79,12 @@ def make_prompts(seed: int, count: int = 3) -> list[list[int]]:
     return [prefix + [rng.randrange(3, 500) for _ in range(23 + 17 * i)] for i in range(count)]
 
 
+def whole_chunks_prompt() -> list[int]:
+    """Return the `inprocess` scenario's prompt of whole chunks (all but its last token load)."""
+    rng = random.Random(1)
+    return make_prompts(seed=0)[0][:PREFIX_TOKENS] + [rng.randrange(3, 500) for _ in range(CHUNK)]
+
+
 def tiers(work: Path, lmdb_name: str | None = "lmdb") -> dict[str, Any]:
     config: dict[str, Any] = {"tiers": [{"kind": "dram", "capacity": "64MiB"}]}
     if lmdb_name is not None:
@@ -250,9 +256,7 @@ def on_other_values(
 
 
 def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
-    prompts = make_prompts(seed=0)
-    rng = random.Random(1)  # and one prompt of whole chunks: all but its last token load
-    prompts.append(prompts[0][:PREFIX_TOKENS] + [rng.randrange(3, 500) for _ in range(CHUNK)])
+    prompts = [*make_prompts(seed=0), whole_chunks_prompt()]
     result: dict[str, Any] = {"prompts": prompts}
 
     base = Engine(model, None, prefix_caching=False)
@@ -458,7 +462,10 @@ def scenario_shared(model: str, work: Path, role: str) -> dict[str, Any]:
     engine = Engine(model, tiers(work), prefix_caching=False)
     (work / f"{role}-ready").touch()
     if role == "reader":
-        # A restart: what an earlier process (scenario `inprocess`) stored, from LMDB.
+        # A restart: what an earlier process (scenario `inprocess`) stored, from LMDB. Its
+        # first forward pass computes one token over a loaded prefix: vLLM's attention
+        # kernel runs before anything else asked Linux for AMX tiles (see `unasked`).
+        result["restart_whole"] = engine.generate([whole_chunks_prompt()])
         result["restart"] = engine.generate(make_prompts(seed=0))
         result["restart_tier_hits"] = tier_hits(engine.connector)
         deadline = time.monotonic() + 300
@@ -480,6 +487,17 @@ def scenario_shared(model: str, work: Path, role: str) -> dict[str, Any]:
         result["written"] = [engine.generate([p])[0] for p in make_prompts(seed=7)]
         result["flushed"] = engine.connector.flush(60)
         flag.touch()
+    engine.close()
+    return result
+
+
+def scenario_unasked(model: str, work: Path) -> dict[str, Any]:
+    """The reader's restart, with the connector not asking Linux for AMX tiles."""
+    import kvtiers.integrations.vllm as adapter
+
+    adapter.request_amx_tiles = lambda: False  # type: ignore[assignment]
+    engine = Engine(model, tiers(work), prefix_caching=False)
+    result = {"restart_whole": engine.generate([whole_chunks_prompt()])}
     engine.close()
     return result
 
@@ -733,6 +751,7 @@ def main() -> None:
         choices=[
             "inprocess",
             "shared",
+            "unasked",
             "multiprocess",
             "events",
             "tp2",
@@ -775,6 +794,8 @@ def main() -> None:
         result["vllm_modules_after_import_kvtiers"] = vllm_by_kvtiers
     elif args.scenario == "shared":
         result = scenario_shared(args.model, args.work, args.role)
+    elif args.scenario == "unasked":
+        result = scenario_unasked(args.model, args.work)
     elif args.scenario == "events":
         result = scenario_events(args.model, args.work)
     elif args.scenario == "tp2":
