@@ -7,9 +7,9 @@ after another with `VLLM_ENABLE_V1_MULTIPROCESSING=0`), medians over the prompts
 
 - no cache: an engine without connector and with vLLM's prefix cache off (full prefill).
 - floor: vLLM's own prefix cache warm (same engine, each prompt's second request).
-- kvtiers, LMDB warm / cold: an earlier engine stored every prompt; each measured request
-  runs in a fresh engine (empty DRAM tier), with the page cache warm, or dropped
-  (`echo 3 > /proc/sys/vm/drop_caches`, needs root) right before the request.
+- kvtiers, LMDB warm / cold: an earlier engine stored every prompt; a restarted engine with
+  that LMDB as its only tier (so every request reads it) answers them, with the page cache
+  warm, or dropped (`echo 3 > /proc/sys/vm/drop_caches`, needs root) right before each.
 - kvtiers, DRAM: one restarted engine, second pass (the loads promoted the chunks).
 - every kvtiers row twice: with the default `chunk_size` (256 tokens) and with `chunk_size` =
   the block size (32). Only whole chunks are cached; the prompts here are whole chunks of
@@ -91,13 +91,9 @@ def _engine(
     )
 
 
-def _kvtiers(work: Path, chunk_size: int | None) -> dict[str, Any]:
-    config = {
-        "tiers": [
-            {"kind": "dram", "capacity": "1GiB"},
-            {"kind": "lmdb", "path": str(work / "lmdb"), "capacity": "4GiB"},
-        ]
-    }
+def _kvtiers(work: Path, chunk_size: int | None, *, dram: bool = True) -> dict[str, Any]:
+    lmdb = {"kind": "lmdb", "path": str(work / "lmdb"), "capacity": "4GiB"}
+    config = {"tiers": [{"kind": "dram", "capacity": "1GiB"}, lmdb] if dram else [lmdb]}
     return {
         "kv_connector": "KVTiersConnector",
         "kv_role": "kv_both",
@@ -217,9 +213,14 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
         llm = _engine(model, kv)
         _ttfts(llm, [warmup, *prompts])
         _close(llm)
-        put(f"{tag}_lmdb_warm", _fresh_each(model, kv, warmup, prompts, cold=False))
+        # The LMDB rows: the same LMDB alone, so every request reads it (one engine, as
+        # ExampleConnector's rows; `warmup` warms the load path).
+        llm = _engine(model, _kvtiers(work / tag, chunk, dram=False))
+        _ttft(llm, warmup)
+        put(f"{tag}_lmdb_warm", _ttfts(llm, prompts))
         if can_drop:
-            put(f"{tag}_lmdb_cold", _fresh_each(model, kv, warmup, prompts, cold=True))
+            put(f"{tag}_lmdb_cold", _ttfts(llm, prompts, cold=True))
+        _close(llm)
         llm = _engine(model, kv)
         _ttfts(llm, prompts)  # loads from LMDB, promotes into DRAM
         put(f"{tag}_dram", _ttfts(llm, prompts))
