@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtiers.integrations._staging import StagingPool
 
 MIB = 1 << 20
+_BOUND = 1 << 20  # the machine's pool: 1 MiB idle at most
 
 
 def test_a_returned_buffer_serves_the_next_take_of_any_shape_that_fits():
@@ -53,3 +59,41 @@ def test_idle_memory_stays_within_the_bound():
     none = StagingPool(0)
     none.give(none.take((10,), torch.uint8))
     assert none.idle_bytes == 0
+
+
+class StagingPoolMachine(RuleBasedStateMachine):
+    """Takes and gives in any order: tensors in use never share memory, idle stays bounded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = StagingPool(_BOUND)
+        self.in_use: list[torch.Tensor] = []
+
+    @rule(num_bytes=st.integers(1, 3 * _BOUND // 2), fill=st.integers(0, 255))
+    def take(self, num_bytes: int, fill: int) -> None:
+        tensor = self.pool.take((num_bytes,), torch.uint8)
+        assert tensor.shape == (num_bytes,) and tensor.is_contiguous()
+        tensor.fill_(fill)
+        self.in_use.append(tensor)
+
+    @precondition(lambda self: self.in_use)
+    @rule(data=st.data())
+    def give(self, data: st.DataObject) -> None:
+        tensor = self.in_use.pop(data.draw(st.integers(0, len(self.in_use) - 1)))
+        before = self.pool.idle_bytes
+        self.pool.give(tensor)
+        kept = self.pool.idle_bytes - before
+        assert kept == 0 or kept >= tensor.nbytes
+
+    @invariant()
+    def bounded_and_disjoint(self) -> None:
+        assert 0 <= self.pool.idle_bytes <= _BOUND
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in self.in_use)
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start
+
+
+StagingPoolMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None
+)
+TestStagingPoolMachine = StagingPoolMachine.TestCase
