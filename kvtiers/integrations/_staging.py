@@ -60,7 +60,9 @@ class StagingPool:
                 buffer = self._idle.pop(found)
                 self._idle_bytes -= buffer.numel()
         if found is None:
-            buffer = torch.empty(_rounded(need), dtype=torch.uint8)
+            # NOTE: a buffer too big to keep is not rounded up: it would only waste memory.
+            size = _rounded(need)
+            buffer = torch.empty(size if size <= self._max_bytes else need, dtype=torch.uint8)
         return buffer[:need].view(dtype).view(shape)
 
     def give(self, tensor: torch.Tensor) -> None:

@@ -61,6 +61,16 @@ def test_idle_memory_stays_within_the_bound():
     assert none.idle_bytes == 0
 
 
+def test_a_buffer_too_big_to_keep_is_not_rounded_up():
+    pool = StagingPool(4 * MIB)
+    big = pool.take((5 * MIB + 1,), torch.uint8)
+    assert big.untyped_storage().nbytes() == 5 * MIB + 1
+    pool.give(big)
+    assert pool.idle_bytes == 0
+    kept = pool.take((3 * MIB + 1,), torch.uint8)  # rounds to 4 MiB, within the bound
+    assert kept.untyped_storage().nbytes() == 4 * MIB
+
+
 class StagingPoolMachine(RuleBasedStateMachine):
     """Takes and gives in any order: tensors in use never share memory, idle stays bounded."""
 
