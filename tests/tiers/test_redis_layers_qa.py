@@ -580,7 +580,9 @@ async def test_cache_load_with_the_server_killed_after_the_first_wave(
         assert cache.pin_count() == 0
         server.start()
         await asyncio.sleep(0.4)
-        assert (await cache.load(tokens)).shape[2] == 0  # the data died with the server
+        # The data died with the server; chunks delivered whole before the kill were
+        # promoted into the DRAM tier, where they stay.
+        assert (await cache.load(tokens)).shape[2] == (n if dram else 0)
         await cache.store(tokens, kv)
         await cache.flush()
         out, calls = torch.zeros_like(kv), []
