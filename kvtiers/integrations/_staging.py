@@ -22,10 +22,10 @@ __all__ = ["StagingPool"]
 
 
 def _rounded(num_bytes: int) -> int:
-    """Round up to a size class: four classes per power of two (at most 25% unused)."""
+    """Round up to a size class: four per power of two (under a quarter more than asked)."""
     if num_bytes <= 1 << 16:
         return 1 << 16
-    step = 1 << (math.ceil(math.log2(num_bytes)) - 2)
+    step = 1 << (num_bytes.bit_length() - 3)  # a quarter of the power of two below
     return -(-num_bytes // step) * step
 
 

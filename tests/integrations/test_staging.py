@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtiers.integrations._staging import StagingPool
+from kvtiers.integrations._staging import StagingPool, _rounded
 
 MIB = 1 << 20
 _BOUND = 1 << 20  # the machine's pool: 1 MiB idle at most
@@ -46,8 +46,11 @@ def test_sizes_are_rounded_to_a_quarter_of_a_power_of_two():
     pool = StagingPool(64 * MIB)
     t = pool.take((5 * MIB + 1,), torch.uint8)
     pool.give(t)
-    assert pool.idle_bytes == 6 * MIB  # 5 MiB + 1 rounds to the next 2 MiB step of 8 MiB
+    assert pool.idle_bytes == 6 * MIB  # 5 MiB + 1 rounds up to the next 1 MiB (4 MiB / 4)
     assert pool.take((6 * MIB,), torch.uint8).data_ptr() == t.data_ptr()
+    for need in (1, 1 << 16, (1 << 16) + 1, 3 << 20, (4 << 20) + 1, (8 << 20) - 1, 1 << 30):
+        size = _rounded(need)
+        assert need <= size and (size <= 1 << 16 or size - need < need / 4), need
 
 
 def test_idle_memory_stays_within_the_bound():
@@ -67,8 +70,8 @@ def test_a_buffer_too_big_to_keep_is_not_rounded_up():
     assert big.untyped_storage().nbytes() == 5 * MIB + 1
     pool.give(big)
     assert pool.idle_bytes == 0
-    kept = pool.take((3 * MIB + 1,), torch.uint8)  # rounds to 4 MiB, within the bound
-    assert kept.untyped_storage().nbytes() == 4 * MIB
+    kept = pool.take((3 * MIB + 1,), torch.uint8)  # rounds to 3.5 MiB, within the bound
+    assert kept.untyped_storage().nbytes() == 7 * MIB // 2
 
 
 class StagingPoolMachine(RuleBasedStateMachine):
