@@ -70,7 +70,7 @@ class ConnectorSettings:
     max_pending_saves: int = 64
     """Saves in flight per worker; beyond it a save is skipped (counted), never waited on."""
     staging_keep_mib: int = 256
-    """Host memory a worker on the CPU keeps between steps to stage the next loads in."""
+    """Host memory a worker on the CPU keeps between steps to stage later loads and saves."""
     socket_dir: str | None = None
     """Folder of the lookup channel's Unix sockets; the system's temp folder by default."""
     on_load_error: Literal["recompute", "fail"] = "recompute"
