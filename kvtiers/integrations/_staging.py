@@ -6,19 +6,23 @@ faults every page in: on a 2-core VM, 48 MiB took 14.5 ms to allocate and fill a
 3.2 ms for the copy alone into a buffer used before. `StagingPool` keeps the buffers of
 finished loads for the next ones.
 
-It serves pageable CPU memory only: pinned buffers for a GPU come from torch's caching
+The pool serves pageable CPU memory only: pinned buffers for a GPU come from torch's caching
 host allocator, which already reuses them and, unlike this pool, knows when the device's
-copies out of them have finished.
+copies out of them have finished. `StagingTensors` picks one or the other for a worker.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import threading
 
 import torch
 
-__all__ = ["StagingPool"]
+from kvtiers._tensors import torch_dtype
+from kvtiers.core.layout import KVLayout
+
+__all__ = ["StagingPool", "StagingTensors"]
 
 
 def _rounded(num_bytes: int) -> int:
@@ -79,3 +83,48 @@ class StagingPool:
             self._idle.append(buffer)
             self._idle.sort(key=torch.Tensor.numel)
             self._idle_bytes += size
+
+
+class StagingTensors:
+    """The staging tensors of a worker's loads and saves, shaped by a KV layout.
+
+    On the CPU they come from a `StagingPool`; for a GPU they are pinned, from torch's
+    caching host allocator, so copies to the device do not block the host.
+
+    Args:
+        layout: the layout of the KV they hold.
+        pinned: pin them (the engine's KV is on a GPU).
+        keep_bytes: the most idle bytes the CPU pool keeps.
+    """
+
+    def __init__(self, layout: KVLayout, *, pinned: bool, keep_bytes: int) -> None:
+        self._layout = layout
+        self._pool = None if pinned else StagingPool(keep_bytes)
+
+    @property
+    def idle_bytes(self) -> int:
+        """The bytes kept for later tensors (0 when pinned)."""
+        return 0 if self._pool is None else self._pool.idle_bytes
+
+    def take(self, num_tokens: int) -> torch.Tensor:
+        """Return an uninitialised tensor for the KV of `num_tokens` tokens."""
+        shape, dtype = self._layout.kv_shape(num_tokens), torch_dtype(self._layout)
+        if self._pool is None:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return self._pool.take(shape, dtype)
+
+    def release(
+        self, tensor: torch.Tensor, done: concurrent.futures.Future[int] | None = None
+    ) -> None:
+        """Keep `tensor` (from `take`) for later ones, once nothing can use it.
+
+        Args:
+            tensor: the staging tensor.
+            done: the load or save that used it, if it may have failed: a load given up
+                or failed may still have a read in flight into its tensor, a failed save
+                a write out of it, so their tensors are left to Python.
+        """
+        if self._pool is None:
+            return
+        if done is None or (done.done() and not done.cancelled() and done.exception() is None):
+            self._pool.give(tensor)

@@ -1,9 +1,10 @@
-"""The worker's per-request records of a step, and the load it runs on the cache's loop.
+"""vLLM's layers as the worker sees them, and the loads it runs on the cache's loop.
 
-`load_from` reads a request's cached chunks layer-wise (`TieredCache.load` or
-`get_chunks` with `on_layers`) into the request's staging tensor; `Load` keeps what the
-waves reported, so `WorkerSide.wait_for_layer` knows which tokens of a layer are final.
-`store_from` stores a request's chunks from a given chunk on (a step's saves).
+`LayerSet` holds vLLM's KV layers in model order, each with its KV-cache group (both halves
+of the worker use it). `load_from` reads a request's cached chunks layer-wise
+(`TieredCache.load` or `get_chunks` with `on_layers`) into the request's staging tensor;
+`Load` keeps what the waves reported, so `WorkerSide.wait_for_layer` knows which tokens of a
+layer are final.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 
 from kvtiers import TieredCache
 from kvtiers._streaming import OnLayers
-from kvtiers.integrations._vllm_plan import LoadSpec, Salt, SaveSpec
+from kvtiers.integrations._vllm_kv import PagedLayout
+from kvtiers.integrations._vllm_plan import GroupBlocks, LoadSpec, Salt
 
-__all__ = ["NULL_BLOCK", "Load", "Save", "layer_order", "live_blocks", "load_from", "store_from"]
+__all__ = ["NULL_BLOCK", "LayerSet", "Load", "layer_order", "live_blocks", "load_from"]
 
 NULL_BLOCK = 0
 """vLLM's null block: where a sliding-window group's block table points behind the
@@ -34,6 +36,38 @@ def layer_order(names: list[str]) -> list[str]:
     if all(i is not None for i, _ in indexed):
         return [n for _, n in sorted(indexed, key=lambda p: int(p[0] or 0))]
     return list(names)
+
+
+class LayerSet:
+    """vLLM's paged KV layers in model order, each with its KV-cache group.
+
+    Args:
+        layers: vLLM's KV tensors by layer name, as `register_kv_caches` gave them.
+        paged: their layout.
+        groups: the KV-cache group of each layer, by name (none: one group).
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, torch.Tensor],
+        paged: PagedLayout,
+        groups: dict[str, int] | None = None,
+    ) -> None:
+        self.names = layer_order(list(layers))
+        """Layer names in model order; a layer's position is its index below."""
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.group = [(groups or {}).get(name, 0) for name in self.names]
+        """The KV-cache group of each layer."""
+        self.tensors = [layers[name] for name in self.names]
+        self.paged = paged
+        self.device = self.tensors[0].device
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def block_ids(self, block_ids: GroupBlocks) -> list[torch.Tensor]:
+        """Return a plan's block ids per KV-cache group as tensors on the KV's device."""
+        return [torch.tensor(ids, dtype=torch.int64, device=self.device) for ids in block_ids]
 
 
 @dataclass(slots=True, eq=False)
@@ -68,18 +102,6 @@ class Load:
         return None
 
 
-@dataclass(slots=True, eq=False)
-class Save:
-    """One request's save in a step: the staged KV and the layers gathered so far."""
-
-    spec: SaveSpec
-    staging: torch.Tensor
-    """KV of the tokens from `spec.start` on."""
-    block_ids: list[torch.Tensor]
-    """The spec's block ids per KV-cache group, on the KV's device."""
-    layers_done: set[int] = field(default_factory=set)
-
-
 async def load_from(
     cache: TieredCache,
     tokens: Any,
@@ -103,26 +125,6 @@ async def load_from(
     found = await cache.get_chunks(keys[first:], dsts, parent=keys[first - 1], on_layers=on_layers)
     run = next((i for i, hit in enumerate(found) if not hit), len(found))
     return (first + run) * size
-
-
-async def store_from(
-    cache: TieredCache, tokens: Any, salt: Salt, first: int, staging: torch.Tensor
-) -> int:
-    """Store the chunks of `tokens` from chunk `first` on; `staging` holds their KV.
-
-    The chunks before `first` only key the stored ones (an earlier step saved them).
-
-    Returns:
-        Tokens stored: from the first chunk, those newly stored; from a later one, those
-        a tier holds after the call.
-    """
-    if first == 0:
-        return await cache.store(tokens, staging, salt=salt)
-    size = cache.layout.chunk_size
-    keys = cache.keys(tokens, salt=salt)
-    srcs = [staging.narrow(2, i * size, size) for i in range(len(keys) - first)]
-    held = await cache.put_chunks(keys[first:], srcs, parent=keys[first - 1])
-    return sum(held) * size
 
 
 def live_blocks(

@@ -8,10 +8,9 @@ only for the wave holding its layer, and writes that layer's blocks: the tier re
 later layers overlap the attention of earlier ones. On a CUDA device a layer's copies are
 queued on a copy stream with one event per layer, and each layer's compute waits only for
 its own event. A block is loaded only if every layer was written with it and the whole
-load delivered it; the others are reported to vLLM, which recomputes them. Saves: each
-layer's blocks are gathered into a private staging tensor as the forward pass leaves the
-layer; `finish_step` hands the staged KV to `TieredCache.store` in the background, so
-neither vLLM's blocks nor its forward pass wait for a tier. Every failure is logged,
+load delivered it; the others are reported to vLLM, which recomputes them. Saves are the
+other half (`kvtiers.integrations._vllm_saves`): each layer's blocks are staged as the
+forward pass leaves the layer and stored in the background. Every failure is logged,
 counted, and becomes a miss (loads: the blocks are reported to vLLM, which recomputes
 them).
 
@@ -34,26 +33,14 @@ import time
 
 import torch
 
-from kvtiers._tensors import torch_dtype
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._runtime import SharedCache
-from kvtiers.integrations._staging import StagingPool
+from kvtiers.integrations._staging import StagingTensors
 from kvtiers.integrations._vllm_kv import PagedLayout
-from kvtiers.integrations._vllm_loads import (
-    Load,
-    Save,
-    layer_order,
-    live_blocks,
-    load_from,
-    store_from,
-)
-from kvtiers.integrations._vllm_plan import (
-    ConnectorSettings,
-    GroupBlocks,
-    StepPlan,
-    tokens_of,
-)
+from kvtiers.integrations._vllm_loads import LayerSet, Load, layer_order, live_blocks, load_from
+from kvtiers.integrations._vllm_plan import ConnectorSettings, StepPlan, tokens_of
+from kvtiers.integrations._vllm_saves import SaveSide
 
 __all__ = ["WorkerSide", "layer_order"]
 
@@ -89,27 +76,22 @@ class WorkerSide:
     ) -> None:
         self._settings = settings
         self._entry = entry
-        self._names = layer_order(list(layers))
-        self._index = {name: i for i, name in enumerate(self._names)}
-        self._group = [(groups or {}).get(name, 0) for name in self._names]
-        """The KV-cache group of each layer, in model order."""
+        self._kv = LayerSet(layers, paged, groups)
         self._async_loads = async_loads
         self._waiting: list[Load] = []  # asynchronous loads in flight
-        self._layers = layers
-        self._paged = paged
         self.layout = layout
-        self._device = next(iter(layers.values())).device
         self._loads: list[Load] = []
-        self._saves: list[Save] = []
         self._failed: set[int] = set()
-        self._finished: set[str] = set()
-        self._pending: set[concurrent.futures.Future[int]] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards `_counts`
         self._counts: dict[str, float] = {}
         self._tier_hits = [0] * len(entry.cache.tiers)
-        self._copies = CopyStream(self._device)
-        self._pool = None if self._copies.is_cuda else StagingPool(settings.staging_keep_mib << 20)
-        """Where loads stage on the CPU (on a GPU: pinned memory from torch's cache)."""
+        self._copies = CopyStream(self._kv.device)
+        self._staging = StagingTensors(
+            layout, pinned=self._copies.is_cuda, keep_bytes=settings.staging_keep_mib << 20
+        )
+        self._saves = SaveSide(
+            entry, self._kv, layout, self._staging, settings.max_pending_saves, self._count
+        )
         self._pipelined = self._copies.is_cuda
         """Whether a step's loads are queued for every layer at once (`_queue_copies`)."""
         self._layer_events: dict[int, Event] = {}  # this step's queued copies, by layer
@@ -118,9 +100,6 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------
 
-    def _ids(self, block_ids: GroupBlocks) -> list[torch.Tensor]:
-        return [torch.tensor(ids, dtype=torch.int64, device=self._device) for ids in block_ids]
-
     def start_load(self, plan: StepPlan) -> None:
         """Start loading every request of the plan (returns at once)."""
         cache, loop = self._entry.cache, self._entry.loop
@@ -128,8 +107,8 @@ class WorkerSide:
         for spec in plan.loads:
             tokens = tokens_of(spec.tokens)
             first = spec.start // chunk
-            staging = self._new_staging(len(tokens) - first * chunk)
-            ids = self._ids(spec.block_ids)
+            staging = self._staging.take(len(tokens) - first * chunk)
+            ids = self._kv.block_ids(spec.block_ids)
             waves: list[tuple[int, int]] = []
             report = functools.partial(self._wave_arrived, waves)
             try:
@@ -141,22 +120,6 @@ class WorkerSide:
             future.add_done_callback(self._load_ended)
             job = Load(spec, staging, ids, future, first * chunk, waves, started=time.monotonic())
             (self._waiting if self._async_loads else self._loads).append(job)
-
-    def _new_staging(self, num_tokens: int) -> torch.Tensor:
-        shape, dtype = self.layout.kv_shape(num_tokens), torch_dtype(self.layout)
-        if self._pool is None:  # pinned, so copies to the device do not block
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return self._pool.take(shape, dtype)
-
-    def _release(self, staging: torch.Tensor, done: concurrent.futures.Future[int]) -> None:
-        """Keep the staging of a load or save for later ones, once nothing can use it.
-
-        A load given up or failed may still have a read in flight into it, a failed save
-        a write out of it: their staging is left to Python.
-        """
-        ended = done.done() and not done.cancelled() and done.exception() is None
-        if self._pool is not None and ended:
-            self._pool.give(staging)
 
     def _wave_arrived(self, waves: list[tuple[int, int]], num_layers: int, num_tokens: int) -> None:
         with self._arrived:
@@ -190,7 +153,7 @@ class WorkerSide:
                     break
                 self._arrived.wait(left)
         self._count("load_wait_seconds", time.monotonic() - started)
-        block = self._paged.block_size
+        block = self._kv.paged.block_size
         upto = min(job.spec.end, upto // block * block)
         job.least = upto if job.least < 0 else min(job.least, upto)
         return upto
@@ -202,7 +165,7 @@ class WorkerSide:
         written with it (a later wave may have come up shorter than an earlier one).
         """
         deadline = self._step_deadline()
-        block = self._paged.block_size
+        block = self._kv.paged.block_size
         for job in self._loads:
             if job.upto >= 0:
                 continue
@@ -238,7 +201,7 @@ class WorkerSide:
         """
         if not self._loads:
             return
-        i = self._index.get(name)
+        i = self._kv.index.get(name)
         if i is None:
             return
         if self._pipelined:
@@ -254,7 +217,7 @@ class WorkerSide:
                 continue
             job.layers_done.add(i)
             upto = self._layer_upto(job, i)
-            count = (upto - job.spec.start) // self._paged.block_size
+            count = (upto - job.spec.start) // self._kv.paged.block_size
             if count <= 0:
                 continue
             whole = job.staging[i]
@@ -262,10 +225,10 @@ class WorkerSide:
                 # NOTE: the layer's whole staging slab is contiguous pinned memory, so this
                 # copy does not block the host; a token range of it would (a strided
                 # source is first copied into pageable memory), so it is cut on the device.
-                whole = whole.to(self._device, non_blocking=True)
+                whole = whole.to(self._kv.device, non_blocking=True)
             src = whole[:, job.spec.start - job.base : upto - job.base]
-            ids = job.block_ids[self._group[i]][:count]
-            self._paged.scatter(self._layers[self._names[i]], ids, src)
+            ids = job.block_ids[self._kv.group[i]][:count]
+            self._kv.paged.scatter(self._kv.tensors[i], ids, src)
 
     def _queue_copies(self, layer: int) -> None:
         """Queue the copies of layer `layer` and of every layer final by now, one event each.
@@ -277,7 +240,7 @@ class WorkerSide:
             # NOTE: the blocks may have held another request's KV that queued kernels
             # still read: the copies start after everything the compute stream has queued.
             self._copies.wait_current()
-        ready = len(self._names)
+        ready = len(self._kv)
         for job in self._loads:
             if not job.future.done():
                 ready = min(ready, job.waves[-1][0] if job.waves else 0)
@@ -332,7 +295,7 @@ class WorkerSide:
                 if loaded < spec.end:
                     raise RuntimeError(f"{loaded} of {spec.end} tokens found")
                 self._write_whole(job)
-                self._release(job.staging, job.future)
+                self._staging.release(job.staging, job.future)
                 self._count("loaded_tokens", spec.end - spec.start)
             except Exception as exc:
                 job.future.cancel()
@@ -345,36 +308,30 @@ class WorkerSide:
 
     def _write_whole(self, job: Load) -> None:
         """Write every layer of a finished load into its group's live blocks."""
-        spec, block = job.spec, self._paged.block_size
-        for i, name in enumerate(self._names):
+        kv = self._kv
+        spec, block = job.spec, kv.paged.block_size
+        for i, layer in enumerate(kv.tensors):
             src = job.staging[i][:, spec.start - job.base : spec.end - job.base]
-            ids, src = live_blocks(job.block_ids[self._group[i]], src, block)
+            ids, src = live_blocks(job.block_ids[kv.group[i]], src, block)
             if ids.numel():
-                self._paged.scatter(self._layers[name], ids, src)
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
+                kv.paged.scatter(layer, ids, src)
+        if kv.device.type == "cuda":
+            torch.cuda.current_stream(kv.device).synchronize()
 
-    # -- saves -------------------------------------------------------------------------
+    # -- saves (`SaveSide`) -------------------------------------------------------------
 
     def begin_saves(self, plan: StepPlan) -> None:
         """Prepare the staging tensors of the plan's saves."""
-        for spec in plan.saves:
-            num_tokens = len(spec.tokens) // 8 - spec.start
-            staging = self._new_staging(num_tokens)
-            self._saves.append(Save(spec, staging, self._ids(spec.block_ids)))
+        self._saves.begin(plan)
 
     def save_layer(self, name: str, layer: torch.Tensor) -> None:
         """Gather layer `name` of every save of this step into its staging tensor."""
-        i = self._index.get(name)
-        if i is None:
-            return
-        for job in self._saves:
-            if i not in job.layers_done:
-                self._paged.gather(layer, job.block_ids[self._group[i]], job.staging[i])
-                job.layers_done.add(i)
+        i = self._kv.index.get(name)
+        if i is not None:
+            self._saves.save_layer(i, layer)
 
     def finish_step(self) -> None:
-        """Hand this step's staged saves to the cache in the background; end the step.
+        """Settle this step's loads, hand its staged saves to the cache in the background.
 
         Layers the forward pass did not visit (an empty step) are gathered here; vLLM's
         blocks are no longer needed when this returns.
@@ -382,77 +339,28 @@ class WorkerSide:
         if self._loads:
             self._resolve_loads()
         for job in self._loads:
-            missing = set(range(len(self._names))) - job.layers_done
+            missing = set(range(len(self._kv))) - job.layers_done
             if missing and job.upto != 0:
                 # NOTE: the forward pass skipped a layer hook, so those layers hold no loaded
                 # KV; report the blocks so vLLM recomputes rather than reads garbage.
                 logger.warning("kvtiers: %d layers were never loaded; recomputing", len(missing))
                 self._failed.update(job.spec.block_ids[0])
-            self._release(job.staging, job.future)
+            self._staging.release(job.staging, job.future)
         self._loads = []
         self._layer_events = {}
         self._deadline = None
-        saves, self._saves = self._saves, []
-        for save in saves:
-            try:
-                for i in set(range(len(self._names))) - save.layers_done:
-                    layer = self._layers[self._names[i]]
-                    ids = save.block_ids[self._group[i]]
-                    self._paged.gather(layer, ids, save.staging[i])
-                if self._device.type == "cuda":
-                    torch.cuda.current_stream(self._device).synchronize()
-                self._submit_store(save)
-            except Exception:
-                logger.exception("kvtiers: a save failed; the KV is not stored")
-                self._count("save_errors")
-            if save.spec.finished:
-                self._finished.add(save.spec.req_id)
-
-    def _submit_store(self, job: Save) -> None:
-        with self._lock:
-            if len(self._pending) >= self._settings.max_pending_saves:
-                self._counts["saves_skipped"] = self._counts.get("saves_skipped", 0) + 1
-                if self._pool is not None:
-                    self._pool.give(job.staging)
-                return
-        spec = job.spec
-        first = spec.start // self.layout.chunk_size
-        future = self._entry.loop.submit(
-            store_from(self._entry.cache, tokens_of(spec.tokens), spec.salt, first, job.staging)
-        )
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(functools.partial(self._store_done, job.staging))
-
-    def _store_done(self, staging: torch.Tensor, future: concurrent.futures.Future[int]) -> None:
-        self._release(staging, future)
-        with self._lock:
-            self._pending.discard(future)
-        if future.cancelled():
-            self._count("save_errors")
-            return
-        exc = future.exception()
-        if exc is not None:
-            logger.warning("kvtiers: storing KV failed (%s); not cached", exc)
-            self._count("save_errors")
-            return
-        stored = future.result()
-        self._count("saved_tokens", stored)
-        self._count("saved_bytes", stored * self.layout.bytes_per_token)
+        self._saves.finish()
 
     def take_finished(self) -> set[str]:
         """Return the finished requests whose final save no longer needs their blocks."""
-        finished, self._finished = self._finished, set()
-        return finished
+        return self._saves.take_finished()
 
     # -- lifecycle and stats -----------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for saves in flight and the cache's write queues; return whether all ended."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            pending = list(self._pending)
-        done, not_done = concurrent.futures.wait(pending, timeout)
+        done, not_done = concurrent.futures.wait(self._saves.pending(), timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             self._entry.loop.run(self._entry.cache.flush(), left)

@@ -1,7 +1,8 @@
-"""The host staging pool: reuse, best fit, and the bound on idle memory."""
+"""The host staging pool (reuse, best fit, the bound on idle memory) and a worker's tensors."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 
 import torch
@@ -9,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtiers.integrations._staging import StagingPool, _rounded
+from kvtiers.integrations._staging import StagingPool, StagingTensors, _rounded
+from tests.conftest import small_layout
 
 MIB = 1 << 20
 _BOUND = 1 << 20  # the machine's pool: 1 MiB idle at most
@@ -72,6 +74,38 @@ def test_a_buffer_too_big_to_keep_is_not_rounded_up():
     assert pool.idle_bytes == 0
     kept = pool.take((3 * MIB + 1,), torch.uint8)  # rounds to 3.5 MiB, within the bound
     assert kept.untyped_storage().nbytes() == 7 * MIB // 2
+
+
+def _ended(result: int = 0, error: Exception | None = None) -> concurrent.futures.Future[int]:
+    future: concurrent.futures.Future[int] = concurrent.futures.Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return future
+
+
+def test_a_worker_s_staging_is_shaped_by_its_layout_and_reused():
+    layout = small_layout()
+    staging = StagingTensors(layout, pinned=False, keep_bytes=64 * MIB)
+    tensor = staging.take(48)
+    assert tensor.shape == layout.kv_shape(48) and tensor.dtype == torch.float16
+    pointer = tensor.data_ptr()
+    staging.release(tensor)  # nothing can use it: kept
+    assert staging.idle_bytes >= tensor.nbytes
+    assert staging.take(32).data_ptr() == pointer
+
+
+def test_staging_of_a_load_or_save_that_did_not_end_well_is_not_kept():
+    staging = StagingTensors(small_layout(), pinned=False, keep_bytes=64 * MIB)
+    running: concurrent.futures.Future[int] = concurrent.futures.Future()
+    cancelled: concurrent.futures.Future[int] = concurrent.futures.Future()
+    cancelled.cancel()
+    for done in (running, cancelled, _ended(error=RuntimeError("tier down"))):
+        staging.release(staging.take(16), done)  # a read or write may still be in flight
+        assert staging.idle_bytes == 0
+    staging.release(staging.take(16), _ended(16))
+    assert staging.idle_bytes > 0
 
 
 class StagingPoolMachine(RuleBasedStateMachine):

@@ -68,7 +68,7 @@ def test_saved_blocks_load_back_into_other_blocks(registry, pipelined):
     assert saving.take_counts()["saved_tokens"] == 48
 
     dst_layers = paged_layers(seed=None)
-    loading = WorkerSide(saving._settings, saving._entry, dst_layers, saving._paged, LAYOUT)
+    loading = WorkerSide(saving._settings, saving._entry, dst_layers, saving._kv.paged, LAYOUT)
     loading._pipelined = pipelined
     load_ids = (5, 2, 11, 6)  # tokens 16..48 of the request (skip the first chunk)
     spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, (load_ids,), start=16, end=48)
@@ -105,12 +105,12 @@ def test_the_staging_of_a_step_serves_the_next_steps(registry):
     w = worker(registry, layers)
     saves = [SaveSpec("r1", tokens_to_bytes(TOKENS), None, ((0, 1, 2, 3, 4, 5),))]
     w.begin_saves(StepPlan(saves=saves))
-    staged = w._saves[0].staging.data_ptr()
+    staged = w._saves._saves[0].staging.data_ptr()
     for name in NAMES:
         w.save_layer(name, layers[name])
     w.finish_step()
     assert w.flush(10)
-    assert w._pool.idle_bytes > 0  # back once the cache holds the chunks
+    assert w._staging.idle_bytes > 0  # back once the cache holds the chunks
     spec = LoadSpec("r2", tokens_to_bytes(TOKENS), None, ((6, 7, 8, 9, 10, 11),), 0, 48)
     w.start_load(StepPlan(loads=[spec]))
     assert w._loads[0].staging.data_ptr() == staged
@@ -122,7 +122,7 @@ def test_the_staging_of_a_step_serves_the_next_steps(registry):
         blocks_of(layers, [6, 7, 8, 9, 10, 11]), blocks_of(layers, [0, 1, 2, 3, 4, 5]), strict=True
     ):
         assert torch.equal(got, want)
-    assert w._pool.idle_bytes > 0
+    assert w._staging.idle_bytes > 0
     registry.release(w._entry)
 
 
@@ -387,7 +387,7 @@ def test_a_load_past_its_deadline_mid_waves_fails_every_block_and_frees_the_cach
     assert loading.take_failed_blocks() == set(ids)
     counts = loading.take_counts()
     assert counts["load_errors"] == 1 and counts.get("loaded_tokens", 0) == 0
-    assert loading._pool.idle_bytes == 0  # a given-up load's staging may still be written
+    assert loading._staging.idle_bytes == 0  # a given-up load's staging may still be written
     entry = loading._entry
     deadline = time.monotonic() + 5
     while entry.loop.run(_pins(entry.cache), 5) and time.monotonic() < deadline:
