@@ -22,7 +22,8 @@ after another with `VLLM_ENABLE_V1_MULTIPROCESSING=0`), medians over the prompts
 
 vLLM's prefix cache is off in every engine but the floor's, so other hits come only from the
 connector. Before each request the script syncs and pauses `SETTLE_S`, so background work
-of the previous request (kvtiers' saves and promotions) does not overlap it. Goals: kvtiers'
+of the previous request (kvtiers' saves and promotions) does not overlap it; on a VM work
+right after a pause runs slower (`bench_idle` measures by how much). Goals: kvtiers'
 time above the floor at most half of ExampleConnector's (warm and cold); on new prompts
 sharing the prefix, kvtiers' TTFT at most a quarter of no cache.
 

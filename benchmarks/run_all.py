@@ -31,6 +31,7 @@ BENCHMARKS = (
     "bench_cold",
     "bench_pool_stores",
     "bench_overhead",
+    "bench_idle",
     "bench_policies",
     "bench_lmcache",  # skipped, with the reason, without .venv-lmcache
 )
