@@ -147,17 +147,27 @@ class ConnectorSettings:
         return DEFAULT_CONFIG if self.config is None else self.config
 
 
-def chunk_size_for(block_size: int, requested: int | None, window: int | None = None) -> int:
+def chunk_size_for(
+    block_size: int,
+    requested: int | None,
+    window: int | None = None,
+    attention_chunk: int | None = None,
+) -> int:
     """Return the chunk size: `requested`, or 256 when `block_size` divides it.
 
-    Otherwise the multiple of `block_size` nearest to 256 (at least one block). With
-    sliding-window layers under vLLM's hybrid KV-cache manager (`window`: the smallest
-    window), a chunk is at most `max_chunk_for_window` tokens, so every block of a chunk
-    is still allocated in the step that completes the chunk (and saves it).
+    Otherwise the multiple of `block_size` nearest to 256 (at least one block). Under
+    vLLM's hybrid KV-cache manager every block of a chunk must still be allocated in the
+    step that completes the chunk (and saves it): with sliding-window layers (`window`: the
+    smallest window) a chunk is at most `max_chunk_for_window` tokens; with chunked local
+    attention (`attention_chunk`: the tokens of one local-attention chunk, or the greatest
+    common divisor of several) a chunk divides it, so that no chunk straddles the boundary
+    behind which vLLM frees the blocks. The default is then the largest multiple of
+    `block_size` that fits, at most the choice above.
 
     Raises:
-        ConfigError: `requested` is not a multiple of `block_size`, or exceeds the
-            window's limit.
+        ConfigError: `requested` is not a multiple of `block_size`, exceeds the window's
+            limit or does not divide the attention chunk; or no multiple of `block_size`
+            divides the attention chunk.
     """
     limit = None if window is None else max_chunk_for_window(block_size, window)
     if requested is not None:
@@ -172,12 +182,27 @@ def chunk_size_for(block_size: int, requested: int | None, window: int | None = 
                 f"{window}-token sliding window allows under vLLM's hybrid KV-cache manager "
                 "(or pass --disable-hybrid-kv-cache-manager)"
             )
+        if attention_chunk is not None and attention_chunk % requested:
+            raise ConfigError(
+                f"{_WHERE}.chunk_size: {requested} does not divide {attention_chunk}, the "
+                "model's chunks of local attention, as vLLM's hybrid KV-cache manager needs "
+                "(or pass --disable-hybrid-kv-cache-manager)"
+            )
         return requested
     if _PREFERRED_CHUNK % block_size == 0:
         chosen = _PREFERRED_CHUNK
     else:
         chosen = block_size * max(1, round(_PREFERRED_CHUNK / block_size))
-    return chosen if limit is None else min(chosen, limit)
+    chosen = chosen if limit is None else min(chosen, limit)
+    if attention_chunk is None:
+        return chosen
+    fits = [c for c in range(block_size, chosen + 1, block_size) if attention_chunk % c == 0]
+    if not fits:
+        raise ConfigError(
+            f"vLLM's block size {block_size} does not divide {attention_chunk}, the model's "
+            "chunks of local attention; pass --disable-hybrid-kv-cache-manager"
+        )
+    return fits[-1]
 
 
 def max_chunk_for_window(block_size: int, window: int) -> int:

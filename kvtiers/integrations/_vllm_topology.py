@@ -11,12 +11,17 @@ It imports vLLM; `import kvtiers` never imports it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.v1 import kv_cache_interface
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._vllm_kv import PagedLayout, detect_layout
@@ -37,6 +42,10 @@ class Topology:
     window: int | None = None
     """The smallest sliding window of a KV-cache group (vLLM's hybrid KV-cache manager
     frees blocks behind it); `None` when every group keeps all its tokens."""
+    attention_chunk: int | None = None
+    """The tokens of one chunk of local attention (the greatest common divisor of several);
+    vLLM's hybrid KV-cache manager frees the blocks of a request's earlier chunks. `None`
+    without chunked local attention."""
     layer_groups: dict[str, int] = field(default_factory=dict)
     """The KV-cache group of each layer, by name, with more than one group."""
 
@@ -46,11 +55,14 @@ class Topology:
 
         Raises:
             ValueError: the model has KV-cache groups the connector cannot pool (other
-                than full attention and sliding windows), the engine uses context
-                parallelism (no rank holds whole chunks), or generated tokens are to be
-                stored from KV that vLLM frees during decoding (R-SWA, sliding windows).
+                than full attention, sliding windows and chunked local attention), the
+                engine uses context parallelism (no rank holds whole chunks), or generated
+                tokens are to be stored from KV that vLLM frees during decoding (R-SWA,
+                sliding windows, chunked local attention).
         """
-        window = _check_supported(vllm_config, kv_cache_config, store_generated=store_generated)
+        window, local = _check_supported(
+            vllm_config, kv_cache_config, store_generated=store_generated
+        )
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
         layer_groups = (
             {name: g for g, group in enumerate(groups) for name in group.layer_names}
@@ -63,6 +75,7 @@ class Topology:
             pp_size=int(parallel.pipeline_parallel_size),
             dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
             window=window,
+            attention_chunk=local,
             layer_groups=layer_groups,
         )
 
@@ -71,9 +84,11 @@ class Topology:
         """Whether vLLM's hybrid KV-cache manager frees blocks or splits the layers.
 
         Then loads are asynchronous (vLLM takes no block-level load errors with several
-        groups) and a chunk is at most `max_chunk_for_window` tokens.
+        groups), and `chunk_size_for` bounds the chunk size.
         """
-        return self.window is not None or bool(self.layer_groups)
+        return (
+            self.window is not None or self.attention_chunk is not None or bool(self.layer_groups)
+        )
 
     @property
     def num_ranks(self) -> int:
@@ -144,18 +159,23 @@ def _unsupported(spec: Any) -> str:
             "its hybrid KV-cache manager; serve this model without the kvtiers connector"
         )
     return (
-        f"KVTiersConnector pools full-attention and sliding-window KV, not {name}; "
-        "pass --disable-hybrid-kv-cache-manager"
+        "KVTiersConnector pools full-attention, sliding-window and chunked-local-attention "
+        f"KV, not {name}; pass --disable-hybrid-kv-cache-manager"
     )
 
 
 def _check_supported(
     vllm_config: Any, kv_cache_config: Any, *, store_generated: bool
-) -> int | None:
-    """Refuse what the connector cannot pool; return the smallest sliding window, if any."""
+) -> tuple[int | None, int | None]:
+    """Refuse what the connector cannot pool.
+
+    Returns:
+        The smallest sliding window and the attention chunk (`Topology`), where any.
+    """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     specs = [getattr(group, "kv_cache_spec", None) for group in groups]
     windows: list[int] = []
+    locals_: list[int] = []
     for spec in specs:
         if spec is None or isinstance(spec, FullAttentionSpec):
             continue
@@ -165,12 +185,19 @@ def _check_supported(
             # all live then) and loads skip the freed ones.
             windows.append(int(spec.sliding_window))
             continue
+        if type(spec) is ChunkedLocalAttentionSpec:
+            # NOTE: vLLM frees a request's blocks of earlier local-attention chunks: a
+            # chunk that divides the attention chunk never straddles that boundary, so
+            # its blocks are all live in the step that completes it (`chunk_size_for`).
+            locals_.append(int(spec.attention_chunk_size))
+            continue
         raise ValueError(_unsupported(spec))
-    if windows and store_generated:
-        # NOTE: generated tokens' window blocks are freed while decoding, before the
-        # finished request's save could read them.
+    if (windows or locals_) and store_generated:
+        # NOTE: generated tokens' blocks behind a window or in an earlier local-attention
+        # chunk are freed while decoding, before the finished request's save could read.
+        kind = "sliding-window" if windows else "chunked-local-attention"
         raise ValueError(
-            "KVTiersConnector cannot store generated tokens of a sliding-window model "
+            f"KVTiersConnector cannot store generated tokens of a {kind} model "
             "under vLLM's hybrid KV-cache manager (vLLM frees their KV while decoding); "
             "set store_generated = false or pass --disable-hybrid-kv-cache-manager"
         )
@@ -195,7 +222,7 @@ def _check_supported(
             # NOTE: context parallelism splits a request's tokens across ranks, so no rank
             # holds whole chunks.
             raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
-    return min(windows) if windows else None
+    return (min(windows) if windows else None), (math.gcd(*locals_) if locals_ else None)
 
 
 def _tp_rank() -> int:

@@ -14,11 +14,12 @@ forward pass leaves the layer and stored in the background. Every failure is log
 counted, and becomes a miss (loads: the blocks are reported to vLLM, which recomputes
 them).
 
-Under vLLM's hybrid KV-cache manager (sliding-window layers beside full-attention ones)
-each layer moves through the blocks of its KV-cache group, and loads are asynchronous:
-vLLM takes no block-level load errors with several groups, so the request waits while its
-chunks are read, `take_loads` writes every layer at once (skipping the null blocks behind
-a window) and reports the request received, or failed, which vLLM recomputes whole.
+Under vLLM's hybrid KV-cache manager (sliding-window or chunked-local-attention layers
+beside full-attention ones) each layer moves through the blocks of its KV-cache group, and
+loads are asynchronous: vLLM takes no block-level load errors with several groups, so the
+request waits while its chunks are read, `take_loads` writes every layer at once (skipping
+the null blocks vLLM freed) and reports the request received, or failed, which vLLM
+recomputes whole.
 
 vLLM objects are not imported here; the connector passes tensors and plans.
 """

@@ -71,9 +71,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     pipeline stage) owns the `TieredCache` of its shard and moves KV layer by layer. A
     tier failure is a miss: logged, counted, and recomputed by vLLM.
 
-    Models with sliding-window layers run under vLLM's hybrid KV-cache manager too: each
-    layer moves through its KV-cache group's blocks, each chunk is saved in the step that
-    completes it, and loads are asynchronous (see `_vllm_worker`).
+    Models with sliding-window or chunked-local-attention layers run under vLLM's hybrid
+    KV-cache manager too: each layer moves through its KV-cache group's blocks, each chunk
+    is saved in the step that completes it, and loads are asynchronous (see
+    `_vllm_worker`).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -99,7 +100,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         self._block_size = int(vllm_config.cache_config.block_size)
         self._chunk_size = chunk_size_for(
-            self._block_size, self._settings.chunk_size, self._topology.window
+            self._block_size,
+            self._settings.chunk_size,
+            self._topology.window,
+            self._topology.attention_chunk,
         )
         self._engine_id = str(self._kv_transfer_config.engine_id)
         self._socket_dir = self._settings.socket_dir or tempfile.gettempdir()

@@ -5,8 +5,10 @@ Run with the vLLM virtualenv's python: `python build_tiny_llama.py OUT_DIR [--la
 `--sliding W` even layers attend to a window of W tokens (a hybrid model); with
 `--mla` the model is a dense DeepSeek-V2 instead (multi-head latent attention, the latent
 of 512 + 64 that vLLM's CPU MLA kernel requires); with `--mamba`, a Nemotron-H (a Mamba-2
-layer, then an attention layer: a state-space hybrid); with `--blip2`, a tiny BLIP-2
-(images in the prompt) with its image processor. Deterministic:
+layer, then an attention layer: a state-space hybrid); with `--llama4 C`, a dense Llama 4
+whose layers attend within chunks of C tokens, but every fourth (chunked local attention, a
+hybrid model); with `--blip2`, a tiny BLIP-2 (images in the prompt) with its image
+processor. Deterministic:
 the same seed gives the same weights, so greedy outputs agree across processes.
 """
 
@@ -68,7 +70,12 @@ def _sentences(count: int, seed: int) -> list[str]:
 
 
 def build(
-    out: Path, layers: int = 2, hidden: int = 256, kind: str = "llama", sliding: int = 0
+    out: Path,
+    layers: int = 2,
+    hidden: int = 256,
+    kind: str = "llama",
+    sliding: int = 0,
+    attention_chunk: int = 0,
 ) -> None:
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -87,6 +94,8 @@ def build(
         model = _deepseek_v2(layers, hidden)
     elif kind == "mamba":
         model = _nemotron_h(layers, hidden)
+    elif kind == "llama4":
+        model = _llama4(layers, hidden, attention_chunk)
     else:
         model = _llama(layers, hidden, sliding)
     model.to(torch.bfloat16).save_pretrained(out)
@@ -204,6 +213,26 @@ def _llama(layers: int, hidden: int, sliding: int = 0) -> Any:
     return LlamaForCausalLM(config)
 
 
+def _llama4(layers: int, hidden: int, attention_chunk: int) -> Any:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    # NOTE: Llama 4 attends within chunks of `attention_chunk` tokens on three layers of
+    # four (the fourth has no RoPE and attends to every token); vLLM puts those layers in
+    # a KV-cache group of their own. Dense MLPs only: no layer has experts.
+    config = Llama4TextConfig(
+        **_sizes(layers, hidden),
+        intermediate_size_mlp=2 * hidden,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=layers + 1,
+        attention_chunk_size=attention_chunk,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+        pad_token_id=2,
+    )
+    return Llama4ForCausalLM(config)
+
+
 def _deepseek_v2(layers: int, hidden: int) -> Any:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -257,9 +286,11 @@ if __name__ == "__main__":
     parser.add_argument("--mamba", action="store_true")
     parser.add_argument("--blip2", action="store_true")
     parser.add_argument("--sliding", type=int, default=0, help="a window for even layers")
+    parser.add_argument("--llama4", type=int, default=0, help="Llama 4, this attention chunk")
     args = parser.parse_args()
     if args.blip2:
         build_blip2(args.out)
     else:
         kind = "mla" if args.mla else "mamba" if args.mamba else "llama"
-        build(args.out, args.layers, args.hidden, kind, args.sliding)
+        kind = "llama4" if args.llama4 else kind
+        build(args.out, args.layers, args.hidden, kind, args.sliding, args.llama4)

@@ -256,16 +256,20 @@ def test_prompts_given_as_embeddings_are_keyed_by_them_and_reused(
     ]
 
 
+@pytest.mark.parametrize(
+    ("model", "scenario"), [("tiny_sliding", "sliding"), ("tiny_llama4", "chunked")]
+)
 def test_a_hybrid_model_is_pooled_under_vllm_hybrid_kv_cache_manager(
-    vllm_python, tiny_sliding, tmp_path
+    vllm_python, model, scenario, tmp_path, request
 ):
-    """A model with sliding-window and full-attention layers (two KV-cache groups), with
-    vLLM's hybrid KV-cache manager on (vLLM frees window blocks as a request advances):
-    every layer's KV is pooled and reloaded (asynchronously), also when the prefill runs
-    in steps, and engines with the manager off share the pool. Answers equal an engine
+    """A model with sliding-window (or chunked-local-attention: Llama 4) and full-attention
+    layers (two KV-cache groups), with vLLM's hybrid KV-cache manager on (vLLM frees blocks
+    behind the window, or of earlier attention chunks, as a request advances): every
+    layer's KV is pooled and reloaded (asynchronously), also when the prefill runs in
+    steps, and engines with the manager off share the pool. Answers equal an engine
     without kvtiers, to the log-probability; other KV changes them; failed loads are
     recomputed."""
-    result = result_of(start(vllm_python, tiny_sliding, tmp_path, "sliding"))
+    result = result_of(start(vllm_python, request.getfixturevalue(model), tmp_path, scenario))
     baseline = result["baseline"]
     a = result["engine_a"]
     assert tokens(a) == tokens(baseline)
@@ -297,13 +301,14 @@ def test_a_hybrid_model_is_pooled_under_vllm_hybrid_kv_cache_manager(
     assert result["failing_get_stats"]["load_failed_requests"] == len(baseline)
 
 
+@pytest.mark.parametrize("model", ["tiny_sliding", "tiny_llama4"])
 def test_a_hybrid_model_is_pooled_in_vllm_default_multiprocess_mode(
-    vllm_python, tiny_sliding, tmp_path
+    vllm_python, model, tmp_path, request
 ):
-    """The hybrid model with the scheduler and the worker in separate processes: the
+    """A hybrid model with the scheduler and the worker in separate processes: the
     scheduler's hits come over the lookup channel, and the worker's asynchronous loads are
     reported received through vLLM's output path; answers equal the baseline."""
-    result = result_of(start(vllm_python, tiny_sliding, tmp_path, "sliding-mp"))
+    result = result_of(start(vllm_python, request.getfixturevalue(model), tmp_path, "sliding-mp"))
     baseline = tokens(result["baseline"])
     assert tokens(result["first"]) == baseline[:1] and result["first"][0]["cached"] == 0
     assert tokens(result["all"]) == baseline

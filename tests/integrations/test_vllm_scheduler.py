@@ -300,3 +300,18 @@ def test_a_sliding_window_bounds_the_chunk_size():
     assert chunk_size_for(16, 64, window=64) == 64
     with pytest.raises(ConfigError, match="exceeds 64.*64-token sliding window"):
         chunk_size_for(16, 128, window=64)
+
+
+def test_chunked_local_attention_needs_a_chunk_that_divides_the_attention_chunk():
+    """vLLM frees a request's blocks of earlier attention chunks: a chunk dividing the
+    attention chunk never straddles that boundary, so its blocks are live when saved."""
+    assert chunk_size_for(32, None, attention_chunk=8192) == 256  # Llama 4
+    assert chunk_size_for(32, None, attention_chunk=192) == 192
+    assert chunk_size_for(32, None, attention_chunk=96) == 96
+    assert chunk_size_for(32, None, attention_chunk=320) == 160  # the largest <= 256
+    assert chunk_size_for(16, None, window=64, attention_chunk=192) == 64
+    assert chunk_size_for(32, 64, attention_chunk=192) == 64
+    with pytest.raises(ConfigError, match="128 does not divide 192"):
+        chunk_size_for(32, 128, attention_chunk=192)
+    with pytest.raises(ConfigError, match="block size 32 does not divide 48"):
+        chunk_size_for(32, None, attention_chunk=48)

@@ -24,8 +24,8 @@ _CHECK = textwrap.dedent(
 
     import torch
     from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec, MambaSpec, RSWASpec,
-        SlidingWindowSpec,
+        ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
+        MambaSpec, RSWASpec, SlidingWindowSpec,
     )
 
     from kvtiers.integrations._vllm_topology import Topology
@@ -38,6 +38,10 @@ _CHECK = textwrap.dedent(
     local = KVCacheGroupSpec(
         ["layers.1.attn"], ChunkedLocalAttentionSpec(**dims, attention_chunk_size=64)
     )
+    local_96 = KVCacheGroupSpec(
+        ["layers.2.attn"], ChunkedLocalAttentionSpec(**dims, attention_chunk_size=96)
+    )
+    cross = KVCacheGroupSpec(["layers.1.attn"], CrossAttentionSpec(**dims))
     mamba = KVCacheGroupSpec(
         ["layers.1.mixer"], MambaSpec(block_size=16, shapes=((2, 8),), dtypes=(torch.float16,))
     )
@@ -59,6 +63,7 @@ _CHECK = textwrap.dedent(
         return {
             "tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_rank, "ranks": t.num_ranks,
             "window": t.window, "hybrid": t.hybrid, "groups": t.layer_groups,
+            "attention_chunk": t.attention_chunk,
         }
 
     print(json.dumps({
@@ -68,6 +73,9 @@ _CHECK = textwrap.dedent(
         "hybrid_generated": outcome(config(), [full, window], store_generated=True),
         "window": outcome(config(), [window]),
         "local": outcome(config(), [full, local]),
+        "locals": outcome(config(), [full, local, local_96]),
+        "local_generated": outcome(config(), [full, local], store_generated=True),
+        "cross": outcome(config(), [full, cross]),
         "mamba": outcome(config(), [full, mamba]),
         "block_sizes": outcome(config(), [full, wide]),
         "pcp": outcome(config(prefill_context_parallel_size=2), [full]),
@@ -80,7 +88,7 @@ _CHECK = textwrap.dedent(
 )
 
 
-def test_full_attention_and_sliding_windows_are_accepted_and_the_rest_refused_with_a_hint(
+def test_full_sliding_and_chunked_local_attention_are_accepted_and_the_rest_refused(
     vllm_python: Path,
 ) -> None:
     done = subprocess.run(
@@ -94,7 +102,8 @@ def test_full_attention_and_sliding_windows_are_accepted_and_the_rest_refused_wi
     assert done.returncode == 0, done.stderr[-4000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["full"] == {
-        "tp": 2, "pp": 2, "dp": 1, "ranks": 4, "window": None, "hybrid": False, "groups": {}
+        "tp": 2, "pp": 2, "dp": 1, "ranks": 4, "window": None, "hybrid": False, "groups": {},
+        "attention_chunk": None,
     }  # fmt: skip
     # vLLM's hybrid KV-cache manager: each layer's group, and the smallest window.
     hybrid = got["hybrid"]
@@ -102,8 +111,14 @@ def test_full_attention_and_sliding_windows_are_accepted_and_the_rest_refused_wi
     assert hybrid["groups"] == {"layers.0.attn": 0, "layers.1.attn": 1, "layers.2.attn": 2}
     assert got["window"]["window"] == 64 and got["window"]["groups"] == {}
     assert "store_generated = false" in got["hybrid_generated"]["error"]
-    assert "ChunkedLocalAttentionSpec" in got["local"]["error"]
-    assert "--disable-hybrid-kv-cache-manager" in got["local"]["error"]
+    # Chunked local attention (Llama 4): the attention chunk bounds the chunk size.
+    assert got["local"]["attention_chunk"] == 64 and got["local"]["hybrid"]
+    assert got["local"]["window"] is None
+    assert got["locals"]["attention_chunk"] == 32  # every chunk must divide 64 and 96
+    assert "store_generated = false" in got["local_generated"]["error"]
+    assert "chunked-local-attention model" in got["local_generated"]["error"]
+    assert "CrossAttentionSpec" in got["cross"]["error"]
+    assert "--disable-hybrid-kv-cache-manager" in got["cross"]["error"]
     # vLLM runs a state-space model only under its hybrid manager: no flag helps there.
     assert "MambaSpec" in got["mamba"]["error"]
     assert "without the kvtiers connector" in got["mamba"]["error"]

@@ -41,7 +41,8 @@ Scenarios:
   embeddings (vllm_multimodal_scenario.py).
 - `sliding`: a hybrid model (a window on even layers), pooled under vLLM's hybrid
   KV-cache manager (also with chunked prefill) and shared with an engine that has it off;
-  `sliding-mp`: the same model in vLLM's default multiprocess mode.
+  `sliding-mp`: the same model in vLLM's default multiprocess mode; `chunked`: as `sliding`,
+  with a Llama 4 (chunked local attention).
 - `mamba`: a state-space hybrid (a Mamba-2 layer and an attention layer) runs without
   kvtiers; with it, the engine stops at start-up saying to serve the model without it.
 - `pressure`: a KV cache too small for the load, so vLLM preempts requests, and requests
@@ -380,15 +381,17 @@ def scenario_mla(model: str, work: Path) -> dict[str, Any]:
 
 
 def scenario_sliding(model: str, work: Path) -> dict[str, Any]:
-    """A hybrid model (`build_tiny_llama.py --sliding`): a 64-token window on even layers.
+    """A hybrid model: a 64-token window on even layers (`build_tiny_llama.py --sliding`),
+    or Llama 4's chunked local attention (`--llama4 192`: scenario `chunked`).
 
-    Under vLLM's hybrid KV-cache manager (two KV-cache groups, window blocks freed as a
-    request advances): engine A stores, a fresh engine B loads; engine C prefills in steps
-    of 80 tokens (chunks straddle steps, vLLM frees window blocks meanwhile) into another
-    LMDB path, and engine D, with the manager off (one pool for both), loads it for the
-    prompts and for one that shares only two chunks (so its first window reads chunk 1,
-    which C saved before vLLM freed its window blocks); engine E loads other values
-    (negative control). Engine G's loads all fail: its requests are recomputed whole.
+    Under vLLM's hybrid KV-cache manager (two KV-cache groups, blocks behind the window or
+    of earlier attention chunks freed as a request advances): engine A stores, a fresh
+    engine B loads; engine C prefills in steps of 80 tokens (chunks straddle steps, vLLM
+    frees blocks meanwhile) into another LMDB path, and engine D, with the manager off
+    (one pool for both, every layer reads every token), loads it for the prompts and for
+    one that shares only two chunks (so its first window reads chunk 1, which C saved
+    before vLLM freed its blocks); engine E loads other values (negative control). Engine
+    G's loads all fail: its requests are recomputed whole.
     """
     prompts = make_prompts(seed=3)
     rng = random.Random(4)  # a prompt sharing only two chunks: its window reads chunk 1
@@ -767,6 +770,7 @@ def main() -> None:
             "refused",
             "sliding",
             "sliding-mp",
+            "chunked",
             "pressure",
             "mamba",
         ],
@@ -822,7 +826,7 @@ def main() -> None:
         result = scenario_multimodal(args.model, args.work)
     elif args.scenario == "refused":
         result = scenario_refused(args.model, args.work)
-    elif args.scenario == "sliding":
+    elif args.scenario in ("sliding", "chunked"):
         result = scenario_sliding(args.model, args.work)
     elif args.scenario == "sliding-mp":
         result = scenario_sliding_mp(args.model, args.work)
