@@ -189,6 +189,8 @@ def _check_supported(
             # NOTE: vLLM frees a request's blocks of earlier local-attention chunks: a
             # chunk that divides the attention chunk never straddles that boundary, so
             # its blocks are all live in the step that completes it (`chunk_size_for`).
+            # No later query of the model attends to freed KV, but a stored chunk must
+            # hold every layer's true KV, not the null block's.
             locals_.append(int(spec.attention_chunk_size))
             continue
         raise ValueError(_unsupported(spec))
