@@ -5,7 +5,7 @@ A serving engine under load runs out of KV blocks: vLLM then preempts running re
 requests at any point, also while kvtiers is loading their KV. Twelve prompts in three
 groups (each group shares four chunks), answered with 48 tokens each (float32), on an
 engine whose KV cache holds 36 blocks of 32 tokens per KV-cache group (about three
-requests at once):
+requests at once; Llama 4's chunked groups, 18 each: about two):
 
 - a baseline engine without kvtiers and with a roomy cache answers every prompt;
 - engine A (tight cache, DRAM over LMDB) answers them all at once: it stores the prompts
@@ -19,11 +19,13 @@ requests at once):
   pool.
 
 The tests run it on the tiny Llama (loads within the forward pass) and on the tiny hybrid
-model, whose engines keep vLLM's hybrid KV-cache manager on (asynchronous loads).
+models (a sliding window; Llama 4's chunked local attention), whose engines keep vLLM's
+hybrid KV-cache manager on (asynchronous loads).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 from pathlib import Path
@@ -32,6 +34,7 @@ from typing import Any
 from vllm_scenarios import PREFIX_TOKENS, Engine, tier_hits, tiers
 
 TIGHT_BLOCKS = 36  # vLLM needs max_model_len (1024) / block size (32) = 32 at least
+CHUNKED_BLOCKS = 18  # for max_model_len 512: 16 at least
 OUTPUT_TOKENS = 48  # two block boundaries crossed while decoding
 
 
@@ -70,15 +73,23 @@ def preempted(prompts: list[list[int]], seen: list[list[int]]) -> list[int]:
     return sorted({index[tuple(prompt)] for prompt in seen})
 
 
-def tight_blocks(model: str) -> int:
-    """Return the KV blocks of a tight cache: what one request of 1,024 tokens needs.
+def tight_cache(model: str) -> dict[str, int]:
+    """Return the engine settings of a tight cache: what one longest request needs.
 
-    vLLM's hybrid KV-cache manager splits the pool between its groups (here, two: full
-    attention and a sliding window).
+    vLLM's hybrid KV-cache manager splits the pool between its groups: each kind of layer
+    in groups of as many layers as the rarest kind has (the sliding model: one full
+    attention and one window group; Llama 4's three chunked layers and one full: four).
+    vLLM's start-up check counts every group at the longest request's length, while a
+    chunked group holds one attention chunk at most, so Llama 4's longest request is cut to
+    512 tokens (16 blocks a group) for the cache to be tight.
     """
     config = json.loads((Path(model) / "config.json").read_text())
-    groups = len(set(config.get("layer_types") or ["full_attention"]))
-    return TIGHT_BLOCKS * groups
+    kinds = collections.Counter(config.get("layer_types") or ["full_attention"])
+    size = min(kinds.values())
+    groups = sum(-(-count // size) for count in kinds.values())
+    if "chunked_attention" in kinds:
+        return {"num_gpu_blocks_override": CHUNKED_BLOCKS * groups, "max_model_len": 512}
+    return {"num_gpu_blocks_override": TIGHT_BLOCKS * groups}
 
 
 def drive_with_aborts(engine: Engine, prompts: list[list[int]]) -> dict[str, Any]:
@@ -139,7 +150,7 @@ def scenario_pressure(model: str, work: Path) -> dict[str, Any]:
         "max_tokens": OUTPUT_TOKENS,
         "dtype": "float32",
     }
-    tight = {**args, "num_gpu_blocks_override": tight_blocks(model)}
+    tight = {**args, **tight_cache(model)}
     base = Engine(model, None, **args)
     result["baseline"] = base.generate(prompts)
     base.close()

@@ -123,6 +123,7 @@ class Engine:
         extra: dict[str, Any] | None = None,
         max_tokens: int = MAX_TOKENS,
         dtype: str = "bfloat16",
+        max_model_len: int = 1024,
         **llm_args: Any,
     ) -> None:
         from vllm import LLM, SamplingParams
@@ -143,7 +144,7 @@ class Engine:
             enforce_eager=compiled is None,
             compilation_config=compiled,
             block_size=BLOCK,
-            max_model_len=1024,
+            max_model_len=max_model_len,
             enable_prefix_caching=prefix_caching,
             kv_transfer_config=(
                 transfer_config(config, kv_role, extra) if config is not None else None
