@@ -24,8 +24,9 @@ from kvtiers.integrations._vllm_plan import GroupBlocks, LoadSpec, Salt
 __all__ = ["NULL_BLOCK", "LayerSet", "Load", "layer_order", "live_blocks", "load_from"]
 
 NULL_BLOCK = 0
-"""vLLM's null block: where a sliding-window group's block table points behind the
-window. It holds no request's KV and is never attended, so loads skip it."""
+"""vLLM's null block: where a group's block table points at blocks vLLM freed (behind a
+sliding window, or in an earlier chunk of local attention). It holds no request's KV and is
+never attended, so loads skip it."""
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

@@ -179,7 +179,8 @@ def tiny_sliding(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="session")
 def tiny_llama4(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight dense Llama 4 whose first three layers attend within chunks of
-    192 tokens, built offline: a hybrid model, two KV-cache groups in vLLM."""
+    192 tokens, built offline: a hybrid model, four KV-cache groups in vLLM (one per
+    layer)."""
     return _tiny_model(
         vllm_python, tmp_path_factory, "tiny-llama4", "--layers", "4", "--llama4", "192"
     )

@@ -263,10 +263,10 @@ def test_a_hybrid_model_is_pooled_under_vllm_hybrid_kv_cache_manager(
     vllm_python, model, scenario, tmp_path, request
 ):
     """A model with sliding-window (or chunked-local-attention: Llama 4) and full-attention
-    layers (two KV-cache groups), with vLLM's hybrid KV-cache manager on (vLLM frees blocks
-    behind the window, or of earlier attention chunks, as a request advances): every
-    layer's KV is pooled and reloaded (asynchronously), also when the prefill runs in
-    steps, and engines with the manager off share the pool. Answers equal an engine
+    layers (two or four KV-cache groups), with vLLM's hybrid KV-cache manager on (vLLM
+    frees blocks behind the window, or of earlier attention chunks, as a request advances):
+    every layer's KV is pooled and reloaded (asynchronously), also when the prefill runs
+    in steps, and engines with the manager off share the pool. Answers equal an engine
     without kvtiers, to the log-probability; other KV changes them; failed loads are
     recomputed."""
     result = result_of(start(vllm_python, request.getfixturevalue(model), tmp_path, scenario))

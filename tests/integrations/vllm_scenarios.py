@@ -385,14 +385,14 @@ def scenario_sliding(model: str, work: Path) -> dict[str, Any]:
     """A hybrid model: a 64-token window on even layers (`build_tiny_llama.py --sliding`),
     or Llama 4's chunked local attention (`--llama4 192`: scenario `chunked`).
 
-    Under vLLM's hybrid KV-cache manager (two KV-cache groups, blocks behind the window or
-    of earlier attention chunks freed as a request advances): engine A stores, a fresh
+    Under vLLM's hybrid KV-cache manager (several KV-cache groups, blocks behind the window
+    or of earlier attention chunks freed as a request advances): engine A stores, a fresh
     engine B loads; engine C prefills in steps of 80 tokens (chunks straddle steps, vLLM
     frees blocks meanwhile) into another LMDB path, and engine D, with the manager off
-    (one pool for both, every layer reads every token), loads it for the prompts and for
-    one that shares only two chunks (so its first window reads chunk 1, which C saved
-    before vLLM freed its blocks); engine E loads other values (negative control). Engine
-    G's loads all fail: its requests are recomputed whole.
+    (one pool for both; every layer's blocks are loaded for every token), loads it for
+    the prompts and for one that shares only two chunks (so its first window reads chunk
+    1, which C saved before vLLM freed its blocks); engine E loads other values (negative
+    control). Engine G's loads all fail: its requests are recomputed whole.
     """
     prompts = make_prompts(seed=3)
     rng = random.Random(4)  # a prompt sharing only two chunks: its window reads chunk 1
