@@ -19,6 +19,7 @@ from kvtiers.core.errors import (
     TokenError,
 )
 from kvtiers.core.events import ChunkRemoved, ChunkStored
+from kvtiers.core.index import LookupResult
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats, LatencySnapshot, StoreHealth, TierStats, TierUsage
@@ -39,6 +40,7 @@ __all__ = [
     "KVTiersError",
     "LatencySnapshot",
     "LayoutMismatch",
+    "LookupResult",
     "MetricsConfig",
     "StoreHealth",
     "TierConfig",

@@ -109,6 +109,20 @@ class Mover(Gatherer):
                     self._drop(slot, rest[j])
         return trusted + _leading(found)
 
+    def top_tiers(self, keys: Sequence[ChunkKey]) -> tuple[str, ...]:
+        """Return the name of the highest tier holding each of `keys` (by the index).
+
+        Meant for the hit of a `lookup`, whose keys the index then knows; a key no tier
+        holds (evicted since) gets the empty name.
+        """
+        names = [slot.tier.name for slot in self._slots]
+        tiers: list[str] = []
+        for key in keys:
+            mask = self._index.tiers_of(key)
+            # NOTE: bit t is tier t, top first, so the lowest set bit is the highest tier.
+            tiers.append(names[(mask & -mask).bit_length() - 1] if mask else "")
+        return tuple(tiers)
+
     async def load(self, keys: Sequence[ChunkKey], sink: Sink) -> int:
         """Deliver the leading cached chunks of `keys` to `sink`; return how many.
 

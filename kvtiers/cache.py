@@ -30,7 +30,7 @@ from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
 from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import CacheStateError, ConfigError
 from kvtiers.core.events import EventQueue
-from kvtiers.core.index import PrefixIndex
+from kvtiers.core.index import LookupResult, PrefixIndex
 from kvtiers.core.keys import ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.copy_engine import CopyEngine
@@ -256,6 +256,24 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         Raises:
             TokenError: `tokens` is not a 1-D sequence of non-negative integer ids.
         """
+        hit, _ = await self._lookup(tokens, salt)
+        return hit
+
+    @tracked
+    async def locate(self, tokens: Any, *, salt: Salt = None) -> LookupResult:
+        """Return the longest cached prefix of `tokens` and the tier of each of its chunks.
+
+        A `lookup` (same semantics, counted as one) that also names, per chunk, the tier a
+        load would read it from: for metrics by tier, or to weigh a hit by its tier.
+
+        Raises:
+            TokenError: `tokens` is not a 1-D sequence of non-negative integer ids.
+        """
+        hit, keys = await self._lookup(tokens, salt)
+        tiers = self._mover.top_tiers(keys[: hit // self.layout.chunk_size])
+        return LookupResult(hit, tiers)
+
+    async def _lookup(self, tokens: Any, salt: Salt) -> tuple[int, list[ChunkKey]]:
         start = time.perf_counter()
         arr = as_tokens(tokens)
         keys = self._hasher.keys_of_array(arr, salt)
@@ -264,7 +282,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         )
         hit = num_chunks * self.layout.chunk_size
         self._tally.lookup(len(arr), hit, time.perf_counter() - start)
-        return hit
+        return hit, keys
 
     @tracked
     async def load(

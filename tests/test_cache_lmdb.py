@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvtiers import CacheStateError, TieredCache, TierIOError
+from kvtiers import CacheStateError, LookupResult, TieredCache, TierIOError
 from kvtiers.tiers._lmdb_format import pack_value
 from tests.conftest import make_config, make_kv, same_bytes, small_layout
 
@@ -43,6 +43,25 @@ async def test_evicted_from_dram_served_from_lmdb(tmp_path, layout, write_policy
         if write_policy == "write_back":
             assert disk.demotions > 0
         assert cache.pin_count() == 0
+
+
+async def test_locate_names_the_tier_each_chunk_is_read_from(tmp_path, layout):
+    cfg = make_config(tmp_path, dram_chunks=64, lmdb_chunks=200)
+    (tokens, kv), (other, other_kv) = _conversations(layout, 2)  # 4 chunks each
+    async with TieredCache.from_config(cfg) as cache:
+        await cache.store(tokens, kv)
+        await cache.store(other, other_kv)
+        await cache.flush()  # in both tiers now: the top one is named
+        found = await cache.locate(tokens + [7, 8, 9])  # a partial chunk past the prefix
+        assert found == LookupResult(64, ("dram",) * 4)
+    # A fresh cache over the same LMDB finds the chunks there (asked past its empty index).
+    async with TieredCache.from_config(cfg) as cache:
+        assert await cache.locate(tokens) == LookupResult(64, ("lmdb",) * 4)
+        assert same_bytes(await cache.load(tokens[:32]), kv[:, :, :32])  # promotes two
+        assert (await cache.locate(tokens)).tiers == ("dram", "dram", "lmdb", "lmdb")
+        assert await cache.locate(other[:40]) == LookupResult(32, ("lmdb", "lmdb"))
+        assert await cache.locate([1, 2, 3]) == LookupResult(0, ())
+        assert cache.stats().lookups == 4  # each counted as a lookup
 
 
 async def test_close_drains_write_through_queue(tmp_path, layout):

@@ -25,6 +25,7 @@ def test_exported_members():
         "KVTiersError",
         "LatencySnapshot",
         "LayoutMismatch",
+        "LookupResult",
         "MetricsConfig",
         "StoreHealth",
         "TierConfig",

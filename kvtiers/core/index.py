@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvtiers.core.keys import ChunkKey
 
-__all__ = ["MatchResult", "PrefixIndex"]
+__all__ = ["LookupResult", "MatchResult", "PrefixIndex"]
 
 
 @dataclass(slots=True, eq=False)
@@ -25,6 +25,17 @@ class _Node:
     def __repr__(self) -> str:  # parents are printed by key only, to avoid recursion
         parent = self.parent.key.hex()[:8] if self.parent else None
         return f"_Node({self.key.hex()[:8]}, parent={parent}, tiers={self.tiers:b})"
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest cached prefix of a token sequence, and where each chunk of it is."""
+
+    num_tokens: int
+    """Length of the prefix in tokens, a multiple of the chunk size."""
+    tiers: tuple[str, ...]
+    """Per chunk of the prefix, the name of the tier a load reads it from: the highest
+    tier that holds it (by the cache's index, at the time of the lookup)."""
 
 
 @dataclass(frozen=True, slots=True)

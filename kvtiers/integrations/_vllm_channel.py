@@ -8,7 +8,8 @@ prefix is usable only if every rank can load its shard of it.
 
 Wire format: frames of a 4-byte big-endian length and a msgpack body.
 Request `[seq, salt, tokens]` (tokens: int64 little-endian bytes); answer `[seq,
-num_tokens, error]`, `error` a string or `None`. Requests on one connection are answered
+num_tokens, error, tiers]`, `error` a string or `None`, `tiers` the name of the tier each
+chunk of the hit is in (`LookupResult.tiers`). Requests on one connection are answered
 concurrently, each tagged by its `seq`.
 """
 
@@ -29,12 +30,14 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvtiers.core.index import LookupResult
+
 __all__ = ["LookupClient", "LookupServer", "socket_path"]
 
 logger = logging.getLogger("kvtiers.vllm")
 
 Salt = str | bytes | None
-Lookup = Callable[[npt.NDArray[np.int64], Salt], Awaitable[int]]
+Lookup = Callable[[npt.NDArray[np.int64], Salt], Awaitable[LookupResult]]
 
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 1 << 30  # 1 GiB: far above any prompt, guards against a garbled stream
@@ -74,7 +77,7 @@ class LookupServer:
 
     Args:
         path: the socket path; a stale file there is replaced.
-        lookup: the coroutine function that answers (normally `TieredCache.lookup`).
+        lookup: the coroutine function that answers (normally `TieredCache.locate`).
     """
 
     def __init__(self, path: str, lookup: Lookup) -> None:
@@ -109,12 +112,13 @@ class LookupServer:
     ) -> None:
         seq, salt, raw = message
         error: str | None = None
+        found = LookupResult(0, ())
         try:
-            num_tokens = await self._lookup(np.frombuffer(raw, dtype="<i8").astype(np.int64), salt)
+            found = await self._lookup(np.frombuffer(raw, dtype="<i8").astype(np.int64), salt)
         except Exception as exc:  # a failed lookup is a miss for the asker, not a dropped link
-            num_tokens, error = 0, f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}"
         async with lock:
-            writer.write(_frame([seq, num_tokens, error]))
+            writer.write(_frame([seq, found.num_tokens, error, list(found.tiers)]))
             await writer.drain()
 
     async def aclose(self) -> None:
@@ -134,13 +138,22 @@ class LookupClient:
 
     Connections open on first use and reopen after a failure. All methods must run on one
     event loop.
+
+    Args:
+        paths: the ranks' socket paths.
+        tier_order: the tiers' names, top first; where ranks hold a chunk in different
+            tiers, the answer names the lowest (the load waits for the slowest rank).
+        connect_timeout: seconds to wait for a rank's socket.
     """
 
-    def __init__(self, paths: Sequence[str], *, connect_timeout: float = 2.0) -> None:
+    def __init__(
+        self, paths: Sequence[str], *, tier_order: Sequence[str] = (), connect_timeout: float = 2.0
+    ) -> None:
         self._conns = [_Connection(path, connect_timeout) for path in paths]
+        self._depth = {name: depth for depth, name in enumerate(tier_order)}
 
-    async def lookup(self, tokens: npt.NDArray[np.int64], salt: Salt) -> int:
-        """Return the cached prefix length that every rank holds.
+    async def lookup(self, tokens: npt.NDArray[np.int64], salt: Salt) -> LookupResult:
+        """Return the cached prefix that every rank holds, with its tiers.
 
         Raises:
             ConnectionError, OSError: a rank cannot be reached.
@@ -148,7 +161,15 @@ class LookupClient:
         """
         raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
         answers = await asyncio.gather(*(conn.ask(salt, raw) for conn in self._conns))
-        return min(answers)
+        num_tokens = min(found.num_tokens for found in answers)
+        num_chunks = min(len(found.tiers) for found in answers)
+        # NOTE: a name this side does not know ranks below every known tier.
+        lowest = len(self._depth)
+        tiers = tuple(
+            max(names, key=lambda name: self._depth.get(name, lowest))
+            for names in zip(*(found.tiers[:num_chunks] for found in answers), strict=True)
+        )
+        return LookupResult(num_tokens, tiers)
 
     async def aclose(self) -> None:
         """Close every connection; idempotent."""
@@ -164,7 +185,7 @@ class _Connection:
         self._lock = asyncio.Lock()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[tuple[int, str | None]]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, str | None, list[str]]]] = {}
 
     async def _ensure(self) -> asyncio.StreamWriter:
         async with self._lock:
@@ -182,10 +203,10 @@ class _Connection:
         error: BaseException = ConnectionError(f"lookup channel {self.path}: closed by the worker")
         try:
             while (message := await _read_frame(reader)) is not None:
-                seq, num_tokens, err = message
+                seq, num_tokens, err, tiers = message
                 future = self._pending.pop(seq, None)
                 if future is not None and not future.done():
-                    future.set_result((num_tokens, err))
+                    future.set_result((num_tokens, err, tiers))
         except (ConnectionError, OSError, ValueError, msgpack.UnpackException) as exc:
             error = exc
         finally:
@@ -200,20 +221,22 @@ class _Connection:
                 future.set_exception(ConnectionError(str(error)))
         self._pending.clear()
 
-    async def ask(self, salt: Salt, raw: bytes) -> int:
+    async def ask(self, salt: Salt, raw: bytes) -> LookupResult:
         writer = await self._ensure()
         seq = next(self._seq)
-        future: asyncio.Future[tuple[int, str | None]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[int, str | None, list[str]]] = (
+            asyncio.get_running_loop().create_future()
+        )
         self._pending[seq] = future
         try:
             writer.write(_frame([seq, salt, raw]))
             await writer.drain()
-            num_tokens, error = await future
+            num_tokens, error, tiers = await future
         finally:
             self._pending.pop(seq, None)
         if error is not None:
             raise LookupError(f"worker lookup failed: {error}")
-        return int(num_tokens)
+        return LookupResult(int(num_tokens), tuple(str(name) for name in tiers))
 
     async def aclose(self) -> None:
         if self._reader_task is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtiers.core.index import LookupResult
 from kvtiers.integrations._vllm_events import block_origin
 from kvtiers.integrations._vllm_handoff import Role, announce, announced_tokens
 from kvtiers.integrations._vllm_plan import (
@@ -29,14 +30,15 @@ from kvtiers.integrations._vllm_plan import (
     tokens_to_bytes,
 )
 from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable, rekeyed
+from kvtiers.integrations._vllm_sources import tokens_by_tier
 
 __all__ = ["Lookup", "SchedulerSide", "salt_of"]
 
 logger = logging.getLogger("kvtiers.vllm")
 
 Salt = str | bytes | None
-Lookup = Callable[[npt.NDArray[np.int64], Salt], "concurrent.futures.Future[int]"]
-"""Start a lookup of a token prefix; the future gives the cached length in tokens."""
+Lookup = Callable[[npt.NDArray[np.int64], Salt], "concurrent.futures.Future[LookupResult]"]
+"""Start a lookup of a token prefix; the future gives the cached length and its tiers."""
 
 
 def salt_of(request: Any) -> Salt:
@@ -67,7 +69,11 @@ class _Tracked:
     """The ids that key the prompt (`_vllm_prompt.key_tokens`), made once."""
     answer: int | None = None
     """Cached prefix length from the last finished lookup, until it is used."""
-    future: concurrent.futures.Future[int] | None = None
+    future: concurrent.futures.Future[LookupResult] | None = None
+    tiers: tuple[str, ...] = ()
+    """Per chunk, the tier the last finished lookup found it in (`LookupResult.tiers`)."""
+    loaded_from: dict[str, int] | None = None
+    """Tokens of the accepted load by tier name ("": not known), until taken."""
     asked_at: float = 0.0
     asked_computed: int = 0
     """`num_computed_tokens` of the last `get_num_new_matched_tokens` call."""
@@ -249,7 +255,8 @@ class SchedulerSide:
         if handoff_end is not None:
             deadline, wait_s = min(deadline, handoff_end), 0
         try:
-            hit = future.result(timeout=wait_s)
+            found = future.result(timeout=wait_s)
+            hit, tracked.tiers = found.num_tokens, found.tiers
         except concurrent.futures.TimeoutError:
             if self._clock() < deadline:
                 self._count("lookup_retries")
@@ -332,6 +339,7 @@ class SchedulerSide:
         # to a block stays inside the loaded prefix (with a whole prompt cached, `end` is
         # its last token, whose slot the load fills before vLLM computes it).
         end_block = -(-end // self._block)
+        tracked.loaded_from = tokens_by_tier(tracked.tiers, self._chunk, start, end)
         spec = LoadSpec(
             req_id=request.request_id,
             tokens=tokens_to_bytes(self._keyed(tracked, answer)),
@@ -343,6 +351,18 @@ class SchedulerSide:
         )
         self._plan.loads.append(spec)
         self._count("planned_load_tokens", spec.end - spec.start)
+
+    def take_load_tiers(self, request: Any) -> dict[str, int]:
+        """Return the tokens of `request`'s accepted load by tier name, once.
+
+        Keys are the tier names its lookup found the chunks in; "" counts tokens of no
+        known tier (a hand-off's answer taken from an earlier lookup).
+        """
+        tracked = self._reqs.get(request.request_id)
+        if tracked is None or tracked.loaded_from is None:
+            return {}
+        loaded, tracked.loaded_from = tracked.loaded_from, None
+        return loaded
 
     # -- steps -------------------------------------------------------------------------
 

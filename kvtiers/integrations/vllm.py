@@ -52,6 +52,7 @@ from kvtiers.integrations._vllm_plan import (
 )
 from kvtiers.integrations._vllm_prompt import items_hashed
 from kvtiers.integrations._vllm_scheduler import Lookup, SchedulerSide
+from kvtiers.integrations._vllm_sources import by_source, sources_of
 from kvtiers.integrations._vllm_topology import Topology
 from kvtiers.integrations._vllm_worker import WorkerSide
 
@@ -77,8 +78,6 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     `_vllm_worker`).
     """
 
-    _cache_hit_source = CacheHitSource.HOST
-
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
@@ -94,7 +93,8 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # NOTE: a tiers config that cannot be read, or names a bad tier, stops the engine at
         # start-up like a bad extra-config key (a typo must not silently cost all caching);
         # tiers of a valid config that fail to open (a store unreachable) leave it off.
-        TieredCache.check_tiers(self._settings.tiers_source())
+        tiers = TieredCache.check_tiers(self._settings.tiers_source()).tiers
+        self._hit_sources = sources_of(tiers)
         self._topology = Topology.of(
             vllm_config, kv_cache_config, store_generated=self._settings.store_generated
         )
@@ -149,7 +149,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             found = entry
 
             def direct(tokens: Any, salt: Any) -> Any:
-                return found.loop.submit(found.cache.lookup(tokens, salt=salt))
+                return found.loop.submit(found.cache.locate(tokens, salt=salt))
 
             logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
             return direct
@@ -159,7 +159,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             socket_path(self._socket_dir, self._engine_id, dp_rank, rank)
             for rank in range(num_ranks)
         ]
-        client = LookupClient(paths)
+        client = LookupClient(paths, tier_order=list(self._hit_sources))
         self._parts["client"] = (loop, client)
         logger.info("kvtiers: scheduler looks up through the workers' sockets %s", paths)
 
@@ -181,6 +181,20 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         except Exception:
             logger.exception("kvtiers: lookup failed; served as a miss")
             return 0, False
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Split the tokens vLLM takes from kvtiers by the kind of tier they load from."""
+        if num_external_tokens <= 0 or self._scheduler is None:
+            return {}
+        try:
+            tokens = self._scheduler.take_load_tiers(request)
+            split = by_source(tokens, self._hit_sources, num_external_tokens)
+            return {CacheHitSource(source): count for source, count in split.items()}
+        except Exception:
+            logger.exception("kvtiers: splitting a hit by tier failed")
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -259,7 +273,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._parts["entry"] = entry
         CACHES.publish(self._engine_id, rank, entry)
         path = socket_path(self._socket_dir, self._engine_id, topology.dp_rank, rank)
-        server = LookupServer(path, lambda tokens, salt: entry.cache.lookup(tokens, salt=salt))
+        server = LookupServer(path, lambda tokens, salt: entry.cache.locate(tokens, salt=salt))
         entry.loop.run(server.start(), 30)
         entry.extras[path] = server
         self._parts["server"] = server

@@ -8,6 +8,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from kvtiers import LookupResult
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 
 
@@ -18,12 +19,16 @@ def sock_dir():
         yield d
 
 
-def _answering(value: int, seen: list | None = None, delay: float = 0.0):
+def _answering(value: int | LookupResult, seen: list | None = None, delay: float = 0.0):
+    found = (
+        value if isinstance(value, LookupResult) else LookupResult(value, ("dram",) * (value // 64))
+    )
+
     async def lookup(tokens, salt):
         if seen is not None:
             seen.append((tokens.tolist(), salt))
         await asyncio.sleep(delay)
-        return value
+        return found
 
     return lookup
 
@@ -31,18 +36,25 @@ def _answering(value: int, seen: list | None = None, delay: float = 0.0):
 async def test_the_answer_is_the_minimum_over_ranks(sock_dir):
     seen: list = []
     paths = [socket_path(sock_dir, "engine-1", 0, rank) for rank in range(3)]
+    answers = [
+        LookupResult(512, ("dram", "dram", "lmdb", "dram")),
+        LookupResult(256, ("dram", "lmdb")),
+        LookupResult(768, ("lmdb", "dram", "dram", "dram", "pool", "pool")),
+    ]
     servers = [
-        LookupServer(path, _answering(v, seen))
-        for path, v in zip(paths, [512, 256, 768], strict=True)
+        LookupServer(path, _answering(found, seen))
+        for path, found in zip(paths, answers, strict=True)
     ]
     for server in servers:
         await server.start()
-    client = LookupClient(paths)
+    client = LookupClient(paths, tier_order=["dram", "lmdb", "pool"])
     try:
         tokens = np.arange(600, dtype=np.int64)
-        assert await client.lookup(tokens, "tenant") == 256
+        # The shortest hit, each chunk in the lowest tier any rank holds it in.
+        expected = LookupResult(256, ("lmdb", "lmdb"))
+        assert await client.lookup(tokens, "tenant") == expected
         assert seen == [(list(range(600)), "tenant")] * 3
-        assert await client.lookup(tokens, b"raw") == 256  # the connection is reused
+        assert await client.lookup(tokens, b"raw") == expected  # the connection is reused
     finally:
         await client.aclose()
         for server in servers:
@@ -56,14 +68,15 @@ async def test_concurrent_lookups_on_one_connection(sock_dir):
     async def lookup(tokens, salt):
         calls.append(int(tokens[0]))
         await asyncio.sleep(0.05 if tokens[0] == 0 else 0)
-        return int(tokens[0]) * 64
+        return LookupResult(int(tokens[0]) * 64, ("dram",) * int(tokens[0]))
 
     server = LookupServer(path, lookup)
     await server.start()
     client = LookupClient([path])
     try:
         answers = await asyncio.gather(*(client.lookup(np.array([i, 1]), None) for i in range(5)))
-        assert answers == [0, 64, 128, 192, 256]
+        assert [found.num_tokens for found in answers] == [0, 64, 128, 192, 256]
+        assert [len(found.tiers) for found in answers] == [0, 1, 2, 3, 4]
     finally:
         await client.aclose()
         await server.aclose()
@@ -94,13 +107,29 @@ async def test_an_unreachable_rank_is_an_error_and_reconnects_later(sock_dir):
     server = LookupServer(path, _answering(64))
     await server.start()
     try:
-        assert await client.lookup(np.array([1]), None) == 64
+        assert (await client.lookup(np.array([1]), None)).num_tokens == 64
         await server.aclose()  # the worker goes away mid-session
         with pytest.raises((ConnectionError, OSError)):
             await client.lookup(np.array([1]), None)
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_a_tier_name_not_in_the_order_counts_as_the_lowest(sock_dir):
+    paths = [socket_path(sock_dir, "e", 0, rank) for rank in range(2)]
+    answers = [LookupResult(128, ("dram", "dram")), LookupResult(128, ("mystery", "lmdb"))]
+    servers = [LookupServer(p, _answering(a)) for p, a in zip(paths, answers, strict=True)]
+    for server in servers:
+        await server.start()
+    client = LookupClient(paths, tier_order=["dram", "lmdb"])
+    try:
+        found = await client.lookup(np.array([1, 2]), None)
+        assert found == LookupResult(128, ("mystery", "lmdb"))
+    finally:
+        await client.aclose()
+        for server in servers:
+            await server.aclose()
 
 
 def test_socket_paths_are_short_and_distinct():

@@ -76,6 +76,14 @@ def test_fresh_engine_gets_the_shared_prefix_from_kvtiers(inprocess):
     assert reported["loaded_tokens"] >= len(baseline) * PREFIX
     assert reported["hits_lmdb"] > 0
     assert "load_errors" not in reported
+    # vLLM's own metrics split those tokens by the kind of tier: LMDB is `disk`, DRAM `host`.
+    sources = result["engine_b_sources"]
+    assert sources["disk"] >= PREFIX
+    assert sources["disk"] + sources["host"] == sources["external"] >= len(baseline) * PREFIX
+    again = result["engine_b_sources_again"]  # the same prompts: now all in DRAM
+    assert again["host"] - sources["host"] == again["external"] - sources["external"] > 0
+    assert again["disk"] == sources["disk"]
+    assert again["device"] == again["p2p"] == again["external_unspecified"] == 0
 
 
 def test_chunks_in_vllm_prefix_cache_are_not_read_again(inprocess):
@@ -385,6 +393,9 @@ def test_default_multiprocess_mode_reports_worker_saved_hits(
     assert run["first"][0]["cached"] == 0
     assert all(o["cached"] >= PREFIX for o in run["all"])
     assert tokens(run["all"]) == tokens(result["baseline"])[: len(run["all"])]
+    # The workers' answers name the tier too: vLLM counts every hit from DRAM as `host`.
+    sources = run["sources"]
+    assert sources["host"] == sources["external"] >= len(run["all"]) * PREFIX
 
 
 def check_two_workers(run: dict[str, Any]) -> list[list[int]]:

@@ -16,7 +16,7 @@ import pytest
 from kvtiers.integrations._vllm_handoff import announce
 from kvtiers.integrations._vllm_scheduler import SchedulerSide
 from tests.integrations.test_vllm_handoff import consumer_request, side
-from tests.integrations.test_vllm_scheduler import Clock, FakeLookup, request
+from tests.integrations.test_vllm_scheduler import Clock, FakeLookup, found, request
 
 BLOCKS = list(range(19))  # 19 blocks of 16 tokens hold the 300-token prompts
 
@@ -106,7 +106,7 @@ def test_after_the_kv_arrived_a_slow_lookup_gets_its_usual_deadline():
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     clock.now = 4.0  # past the hand-off's wait, within lookup_deadline_s: still asked
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
-    lookup.futures[-1].set_result(256)
+    lookup.futures[-1].set_result(found(256))
     assert s.get_num_new_matched_tokens(r, 0) == (256, False)
     assert "lookup_timeouts" not in s.take_counts()
 
@@ -234,7 +234,7 @@ def test_polls_while_waiting_never_block_the_scheduler():
     assert time.monotonic() - started < 0.1
     assert len(lookup.futures) == 8
     for future in lookup.futures[4:]:
-        future.set_result(256)  # the next step finds them done
+        future.set_result(found(256))  # the next step finds them done
     assert [s.get_num_new_matched_tokens(r, 0)[0] for r in waiting] == [256] * 4
 
 

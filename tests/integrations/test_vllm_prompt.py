@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from kvtiers import LookupResult
 from kvtiers.core.keys import ChunkHasher
 from kvtiers.integrations._vllm_events import ChunkOrigins, block_origin
 from kvtiers.integrations._vllm_plan import ConnectorSettings, tokens_of, tokens_to_bytes
@@ -89,8 +90,8 @@ class Lookup:
 
     def __call__(self, tokens, salt):
         self.asked.append(tokens.tolist())
-        future: concurrent.futures.Future[int] = concurrent.futures.Future()
-        future.set_result(self.hit)
+        future: concurrent.futures.Future[LookupResult] = concurrent.futures.Future()
+        future.set_result(LookupResult(self.hit, ("dram",) * (self.hit // CHUNK)))
         return future
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtiers import TieredCache
+from kvtiers import LookupResult, TieredCache
 from kvtiers.core.events import ChunkRemoved, ChunkStored
 from kvtiers.core.keys import ChunkHasher
 from kvtiers.integrations._runtime import CacheRegistry
@@ -113,8 +113,8 @@ class Lookup:
 
     def __call__(self, tokens, salt):
         self.asked.append((tokens.tolist(), salt))
-        future: concurrent.futures.Future[int] = concurrent.futures.Future()
-        future.set_result(self.hit)
+        future: concurrent.futures.Future[LookupResult] = concurrent.futures.Future()
+        future.set_result(LookupResult(self.hit, ("dram",) * (self.hit // CHUNK)))
         return future
 
 
@@ -359,7 +359,7 @@ def test_events_of_saved_and_loaded_chunks_carry_the_prompt_own_token_ids(regist
     cache = entry.cache
 
     def lookup(tokens, salt):
-        return entry.loop.submit(cache.lookup(tokens, salt=salt))
+        return entry.loop.submit(cache.locate(tokens, salt=salt))
 
     s = side(lookup, kv_events=True, lookup_wait_ms=10_000)
     # a first request with an image is computed and saved
@@ -415,7 +415,7 @@ def test_a_consumer_loads_a_producer_prompt_with_its_image_and_not_another_image
     cache = entry.cache
 
     def lookup(tokens, salt):
-        return entry.loop.submit(cache.lookup(tokens, salt=salt))
+        return entry.loop.submit(cache.locate(tokens, salt=salt))
 
     producer = side(lookup, kv_role="kv_producer", lookup_wait_ms=10_000)
     cat = request(item("cat", 4, 24), req_id="p")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtiers import ConfigError
+from kvtiers import ConfigError, LookupResult
 from kvtiers.integrations._vllm_handoff import Role
 from kvtiers.integrations._vllm_plan import (
     BlockOrigin,
@@ -38,10 +38,10 @@ def request(req_id="r1", num_tokens=300, **extra):
 
 
 class FakeLookup:
-    """Lookups that answer `hit`, or stay pending until `finish` (a slow tier)."""
+    """Lookups that answer `hit` (in `tier`), or stay pending (a slow tier)."""
 
-    def __init__(self, hit=None, error=None):
-        self.hit, self.error = hit, error
+    def __init__(self, hit=None, error=None, tier="dram"):
+        self.hit, self.error, self.tier = hit, error, tier
         self.asked: list = []
         self.futures: list[concurrent.futures.Future] = []
 
@@ -51,9 +51,14 @@ class FakeLookup:
         if self.error is not None:
             future.set_exception(self.error)
         elif self.hit is not None:
-            future.set_result(self.hit)
+            future.set_result(found(self.hit, self.tier))
         self.futures.append(future)
         return future
+
+
+def found(hit, tier="dram"):
+    """A lookup's answer: `hit` tokens, every chunk in `tier`."""
+    return LookupResult(hit, (tier,) * (hit // CHUNK))
 
 
 class Clock:
@@ -121,7 +126,7 @@ def test_a_slow_lookup_asks_again_later_then_gives_up():
     assert len(lookup.asked) == 1  # the same lookup is awaited, not restarted
     plan = s.build_plan({}, lambda _: None)
     assert plan.idle and plan.waiting  # the workers may pause this empty step
-    lookup.futures[0].set_result(128)
+    lookup.futures[0].set_result(found(128))
     assert s.get_num_new_matched_tokens(r, 0) == (128, False)
     assert not s.build_plan({}, lambda _: None).waiting
     r2 = request("r2")
@@ -166,6 +171,37 @@ def test_accepted_tokens_become_a_load_of_whole_blocks():
     assert load.block_ids == (tuple(blocks[4:16]),)
     assert tokens_of(load.tokens).tolist() == r.all_token_ids[:256]
     assert not s.build_plan({}, lambda _: None)  # a plan is handed out once
+
+
+def test_an_accepted_load_is_counted_by_the_tier_of_each_chunk():
+    lookup = FakeLookup()
+    s = side(lookup)
+    r, whole = request(), request("whole", num_tokens=256)
+    for req, computed in ((r, 80), (whole, 0)):
+        assert s.get_num_new_matched_tokens(req, computed) == (None, False)
+        lookup.futures[-1].set_result(LookupResult(256, ("dram", "dram", "lmdb", "pool")))
+    # vLLM holds 80 tokens itself: the load starts inside the second chunk.
+    assert s.get_num_new_matched_tokens(r, 80) == (176, False)
+    s.update_state_after_alloc(r, (list(range(19)),), 176)
+    assert s.take_load_tiers(r) == {"dram": 48, "lmdb": 64, "pool": 64}
+    assert s.take_load_tiers(r) == {}  # taken once
+    # A prompt cached whole: vLLM computes its last token, which is not counted.
+    assert s.get_num_new_matched_tokens(whole, 0) == (255, False)
+    s.update_state_after_alloc(whole, (list(range(16)),), 255)
+    assert s.take_load_tiers(whole) == {"dram": 128, "lmdb": 64, "pool": 63}
+    assert s.take_load_tiers(request("unknown")) == {}
+
+
+def test_a_hit_longer_than_its_named_tiers_counts_the_rest_as_unknown():
+    # A hand-off's answer can come from an earlier lookup than the tiers do.
+    lookup = FakeLookup()
+    s = side(lookup)
+    r = request()
+    s.get_num_new_matched_tokens(r, 0)
+    lookup.futures[-1].set_result(LookupResult(192, ("lmdb",)))
+    assert s.get_num_new_matched_tokens(r, 0) == (192, False)
+    s.update_state_after_alloc(r, (list(range(19)),), 192)
+    assert s.take_load_tiers(r) == {"lmdb": 64, "": 128}
 
 
 def test_nothing_is_loaded_when_vllm_takes_no_external_tokens():

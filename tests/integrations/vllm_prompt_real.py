@@ -32,6 +32,7 @@ def requests() -> dict[str, Any]:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
+    from kvtiers import LookupResult
     from kvtiers.integrations._vllm_plan import ConnectorSettings, tokens_of
     from kvtiers.integrations._vllm_prompt import key_tokens, keyable
     from kvtiers.integrations._vllm_scheduler import SchedulerSide
@@ -67,10 +68,10 @@ def requests() -> dict[str, Any]:
         def __init__(self) -> None:
             self.asked: list[Any] = []
 
-        def __call__(self, tokens: Any, salt: Any) -> concurrent.futures.Future[int]:
+        def __call__(self, tokens: Any, salt: Any) -> concurrent.futures.Future[LookupResult]:
             self.asked.append(salt)
-            future: concurrent.futures.Future[int] = concurrent.futures.Future()
-            future.set_result(64)
+            future: concurrent.futures.Future[LookupResult] = concurrent.futures.Future()
+            future.set_result(LookupResult(64, ("dram",)))
             return future
 
     lookup = Lookup()

@@ -218,6 +218,21 @@ class Engine:
         gc.collect()
 
 
+def cached_by_source(engine: Engine) -> dict[str, float]:
+    """Read vLLM's own counters of cached prompt tokens (needs `disable_log_stats=False`).
+
+    Keys: each source of `vllm:prompt_tokens_cached_by_source`, and `external` for
+    `vllm:external_prefix_cache_hits` (every token a connector supplied).
+    """
+    counts: dict[str, float] = {}
+    for metric in engine.llm.get_metrics():
+        if metric.name == "vllm:prompt_tokens_cached_by_source":
+            counts[metric.labels["source"]] = metric.value
+        elif metric.name == "vllm:external_prefix_cache_hits":
+            counts["external"] = metric.value
+    return counts
+
+
 def tier_hits(connector: Any) -> dict[str, int]:
     stats = connector.stats()
     return {tier.name: tier.hits for tier in stats.tiers} if stats is not None else {}
@@ -270,13 +285,16 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     result["engine_a_stats"] = a.reported
     a.close()
 
-    b = Engine(model, tiers(work), prefix_caching=False)
+    b = Engine(model, tiers(work), prefix_caching=False, disable_log_stats=False)
     result["engine_b_start_seconds"] = b.start_seconds
     started = time.perf_counter()
     result["engine_b"] = b.generate(prompts)
     result["engine_b_seconds"] = time.perf_counter() - started
     result["engine_b_tier_hits"] = tier_hits(b.connector)
     result["engine_b_stats"] = b.reported
+    result["engine_b_sources"] = cached_by_source(b)
+    b.generate(prompts)  # again: the first pass promoted every chunk into DRAM
+    result["engine_b_sources_again"] = cached_by_source(b)
     layout = b.connector.layout
     b.close()
 
@@ -508,11 +526,14 @@ def scenario_unasked(model: str, work: Path) -> dict[str, Any]:
 
 def scenario_multiprocess(model: str, work: Path) -> dict[str, Any]:
     prompts = make_prompts(seed=0)
-    engine = Engine(model, tiers(work, lmdb_name=None), prefix_caching=False)
+    engine = Engine(
+        model, tiers(work, lmdb_name=None), prefix_caching=False, disable_log_stats=False
+    )
     first = engine.generate(prompts[:1])
     rest = engine.generate(prompts)
+    sources = cached_by_source(engine)
     engine.close()
-    return {"first": first, "all": rest, "start_seconds": engine.start_seconds}
+    return {"first": first, "all": rest, "start_seconds": engine.start_seconds, "sources": sources}
 
 
 def scenario_sliding_mp(model: str, work: Path) -> dict[str, Any]:
