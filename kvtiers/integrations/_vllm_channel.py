@@ -6,11 +6,15 @@ DRAM tier included). Each worker serves lookups on a Unix socket named after the
 id and its rank; the scheduler connects to every rank and takes the minimum answer, since a
 prefix is usable only if every rank can load its shard of it.
 
-Wire format: frames of a 4-byte big-endian length and a msgpack body.
-Request `[seq, salt, tokens]` (tokens: int64 little-endian bytes); answer `[seq,
-num_tokens, error, tiers]`, `error` a string or `None`, `tiers` the name of the tier each
-chunk of the hit is in (`LookupResult.tiers`). Requests on one connection are answered
-concurrently, each tagged by its `seq`.
+The same channel carries the scheduler's one other request: clear the workers' caches
+(vLLM's `reset_prefix_cache(reset_connector=True)`).
+
+Wire format: frames of a 4-byte big-endian length and a msgpack body. Requests are
+`[seq, "lookup", salt, tokens]` (tokens: int64 little-endian bytes) and `[seq, "clear"]`;
+answers `[seq, value, error, tiers]`: `value` the hit in tokens or the residencies
+cleared, `error` a string or `None`, `tiers` the name of the tier each chunk of a hit is in
+(`LookupResult.tiers`). Requests on one connection are answered concurrently, each tagged
+by its `seq`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ logger = logging.getLogger("kvtiers.vllm")
 
 Salt = str | bytes | None
 Lookup = Callable[[npt.NDArray[np.int64], Salt], Awaitable[LookupResult]]
+Clear = Callable[[], Awaitable[int]]
 
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 1 << 30  # 1 GiB: far above any prompt, guards against a garbled stream
@@ -73,16 +78,19 @@ async def _read_frame(reader: asyncio.StreamReader) -> Any | None:
 
 
 class LookupServer:
-    """Answer lookups on a Unix socket with `lookup(tokens, salt)`.
+    """Answer lookups on a Unix socket with `lookup(tokens, salt)`, and clears with `clear()`.
 
     Args:
         path: the socket path; a stale file there is replaced.
         lookup: the coroutine function that answers (normally `TieredCache.locate`).
+        clear: the coroutine function that clears the cache and returns the residencies
+            removed; without it a clear is answered with an error.
     """
 
-    def __init__(self, path: str, lookup: Lookup) -> None:
+    def __init__(self, path: str, lookup: Lookup, clear: Clear | None = None) -> None:
         self.path = path
         self._lookup = lookup
+        self._clear = clear
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -110,15 +118,24 @@ class LookupServer:
     async def _answer(
         self, message: Sequence[Any], writer: asyncio.StreamWriter, lock: asyncio.Lock
     ) -> None:
-        seq, salt, raw = message
+        seq, op, *args = message
         error: str | None = None
-        found = LookupResult(0, ())
+        value: int = 0
+        tiers: tuple[str, ...] = ()
         try:
-            found = await self._lookup(np.frombuffer(raw, dtype="<i8").astype(np.int64), salt)
-        except Exception as exc:  # a failed lookup is a miss for the asker, not a dropped link
+            if op == "lookup":
+                salt, raw = args
+                tokens = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+                found = await self._lookup(tokens, salt)
+                value, tiers = found.num_tokens, found.tiers
+            elif op == "clear" and self._clear is not None:
+                value = await self._clear()
+            else:
+                raise ValueError(f"this worker does not serve {op!r} requests")
+        except Exception as exc:  # a failed call is an error for the asker, not a dropped link
             error = f"{type(exc).__name__}: {exc}"
         async with lock:
-            writer.write(_frame([seq, found.num_tokens, error, list(found.tiers)]))
+            writer.write(_frame([seq, value, error, list(tiers)]))
             await writer.drain()
 
     async def aclose(self) -> None:
@@ -160,7 +177,8 @@ class LookupClient:
             LookupError: a rank's lookup failed.
         """
         raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
-        answers = await asyncio.gather(*(conn.ask(salt, raw) for conn in self._conns))
+        asked = await asyncio.gather(*(conn.ask(["lookup", salt, raw]) for conn in self._conns))
+        answers = [LookupResult(value, tiers) for value, tiers in asked]
         num_tokens = min(found.num_tokens for found in answers)
         num_chunks = min(len(found.tiers) for found in answers)
         # NOTE: a name this side does not know ranks below every known tier.
@@ -170,6 +188,16 @@ class LookupClient:
             for names in zip(*(found.tiers[:num_chunks] for found in answers), strict=True)
         )
         return LookupResult(num_tokens, tiers)
+
+    async def clear(self) -> int:
+        """Clear every rank's cache; return the residencies removed, summed over ranks.
+
+        Raises:
+            ConnectionError, OSError: a rank cannot be reached.
+            LookupError: a rank's clear failed.
+        """
+        answers = await asyncio.gather(*(conn.ask(["clear"]) for conn in self._conns))
+        return sum(value for value, _ in answers)
 
     async def aclose(self) -> None:
         """Close every connection; idempotent."""
@@ -221,7 +249,8 @@ class _Connection:
                 future.set_exception(ConnectionError(str(error)))
         self._pending.clear()
 
-    async def ask(self, salt: Salt, raw: bytes) -> LookupResult:
+    async def ask(self, request: list[Any]) -> tuple[int, tuple[str, ...]]:
+        """Send `request` (without its `seq`); return the answer's value and tiers."""
         writer = await self._ensure()
         seq = next(self._seq)
         future: asyncio.Future[tuple[int, str | None, list[str]]] = (
@@ -229,14 +258,14 @@ class _Connection:
         )
         self._pending[seq] = future
         try:
-            writer.write(_frame([seq, salt, raw]))
+            writer.write(_frame([seq, *request]))
             await writer.drain()
-            num_tokens, error, tiers = await future
+            value, error, tiers = await future
         finally:
             self._pending.pop(seq, None)
         if error is not None:
-            raise LookupError(f"worker lookup failed: {error}")
-        return LookupResult(int(num_tokens), tuple(str(name) for name in tiers))
+            raise LookupError(f"worker {request[0]} failed: {error}")
+        return int(value), tuple(str(name) for name in tiers)
 
     async def aclose(self) -> None:
         if self._reader_task is not None:

@@ -66,7 +66,8 @@ class ConnectorSettings:
     load_timeout_s: float = 30.0
     """How long a worker waits for a load before reporting its blocks as failed."""
     close_timeout_s: float = 60.0
-    """How long shutdown waits for saves in flight and write queues."""
+    """How long shutdown waits for saves in flight and write queues; and a reset
+    (`reset_cache`) for loads and saves in flight and for the workers to clear."""
     max_pending_saves: int = 64
     """Saves in flight per worker; beyond it a save is skipped (counted), never waited on."""
     staging_keep_mib: int = 256

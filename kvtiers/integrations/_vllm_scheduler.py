@@ -88,6 +88,8 @@ class _Tracked:
     load_failed: bool = False
     """An asynchronous load of this request failed: it loads nothing more (vLLM recomputes
     the whole request, and a lookup could find the same chunks again)."""
+    stale: bool = False
+    """Tracked when the cache was reset (`SchedulerSide.reset`): it saves nothing more."""
 
 
 class SchedulerSide:
@@ -145,6 +147,7 @@ class SchedulerSide:
             "planned_load_tokens": 0,
             "planned_save_tokens": 0,
             "load_failed_requests": 0,
+            "resets": 0,
             "handoff_waits": 0,
             "handoff_arrived": 0,
             "handoff_wait_ms": 0,
@@ -386,7 +389,7 @@ class SchedulerSide:
         plan.idle = not any(num_scheduled_tokens.values())
         for req_id, num_new in num_scheduled_tokens.items():
             tracked = self._reqs.get(req_id)
-            if tracked is None or not tracked.eligible or not self._role.saves:
+            if tracked is None or not tracked.eligible or tracked.stale or not self._role.saves:
                 continue
             request = tracked.request
             target = request.num_prompt_tokens // self._chunk * self._chunk
@@ -443,7 +446,7 @@ class SchedulerSide:
         self, request: Any, tracked: _Tracked, block_ids: Sequence[Sequence[int]]
     ) -> bool:
         """Plan the save of a finished request's generated chunks; return whether planned."""
-        if not self._settings.store_generated or not self._role.saves:
+        if not self._settings.store_generated or not self._role.saves or tracked.stale:
             return False
         target = request.num_computed_tokens // self._chunk * self._chunk
         held = min((len(ids) for ids in block_ids), default=0) * self._block
@@ -465,6 +468,24 @@ class SchedulerSide:
         )
         self._count("planned_save_tokens", target - start)
         return True
+
+    def reset(self) -> None:
+        """Forget what lookups found, before the workers' caches are cleared.
+
+        vLLM resets its prefix cache, and kvtiers' with it, when the model's weights change
+        (an RL trainer's weight sync) or to drop what was cached. The KV of requests live
+        now may predate the change, so none of it is saved from here on: those requests
+        are marked stale, and saves planned but not handed out yet are dropped. They may
+        still load what is stored after the reset.
+        """
+        for tracked in self._reqs.values():
+            if tracked.future is not None:
+                tracked.future.cancel()
+            tracked.future, tracked.answer, tracked.tiers = None, None, ()
+            tracked.loaded_from, tracked.cached, tracked.awaited = None, 0, 0
+            tracked.stale = True
+        self._plan.saves.clear()
+        self._count("resets")
 
     def _origin(self, request: Any, num_tokens: int) -> BlockOrigin | None:
         return block_origin(request, num_tokens, self._block) if self._kv_events else None

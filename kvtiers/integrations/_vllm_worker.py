@@ -26,6 +26,7 @@ vLLM objects are not imported here; the connector passes tensors and plans.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import logging
@@ -369,6 +370,24 @@ class WorkerSide:
             logger.warning("kvtiers: flushing the write queues failed: %s", exc)
             return False
         return not not_done
+
+    async def clear_cache(self, timeout: float) -> int:
+        """Clear the cache, once the loads and saves in flight have ended (on its loop).
+
+        A save still running would store KV computed before the clear after it, and a load
+        could promote a chunk back into the top tier; both are awaited, for at most
+        `timeout` seconds, then `TieredCache.clear` runs.
+
+        Returns:
+            Residencies removed.
+        """
+        jobs = [job.future for job in (*self._loads, *self._waiting)]
+        running = [asyncio.wrap_future(f) for f in (*jobs, *self._saves.pending())]
+        if running:
+            _, late = await asyncio.wait(running, timeout=timeout)
+            if late:
+                logger.warning("kvtiers: clearing with %d loads or saves still running", len(late))
+        return await self._entry.cache.clear()
 
     def _count(self, name: str, amount: float = 1) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ This module imports vLLM; `import kvtiers` never imports it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 import weakref
@@ -153,20 +154,26 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
             logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
             return direct
-        loop = LoopThread(name="kvtiers-lookup")
-        dp_rank = self._topology.dp_rank
-        paths = [
-            socket_path(self._socket_dir, self._engine_id, dp_rank, rank)
-            for rank in range(num_ranks)
-        ]
-        client = LookupClient(paths, tier_order=list(self._hit_sources))
-        self._parts["client"] = (loop, client)
-        logger.info("kvtiers: scheduler looks up through the workers' sockets %s", paths)
+        loop, client = self._client()
+        logger.info("kvtiers: scheduler looks up through the workers' sockets")
 
         def remote(tokens: Any, salt: Any) -> Any:
             return loop.submit(client.lookup(tokens, salt))
 
         return remote
+
+    def _client(self) -> tuple[LoopThread, LookupClient]:
+        """Return the channel to every worker rank, opened on first use."""
+        # NOTE: vLLM calls the scheduler side from its engine-core thread only.
+        if "client" not in self._parts:
+            paths = [
+                socket_path(self._socket_dir, self._engine_id, self._topology.dp_rank, rank)
+                for rank in range(self._topology.num_ranks)
+            ]
+            client = LookupClient(paths, tier_order=list(self._hit_sources))
+            self._parts["client"] = (LoopThread(name="kvtiers-lookup"), client)
+        loop_client: tuple[LoopThread, LookupClient] = self._parts["client"]
+        return loop_client
 
     def on_new_request(self, request: Any) -> None:
         if self._scheduler is not None:
@@ -241,6 +248,25 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def take_events(self) -> list[KVCacheEvent]:
         return self._quorum.take() if self._quorum is not None else []
 
+    def reset_cache(self) -> bool | None:
+        """Clear every worker rank's cache; vLLM's `reset_prefix_cache(reset_connector=True)`.
+
+        Each rank waits for its loads and saves in flight, then removes every chunk its
+        cache knows from every tier (`TieredCache.clear`); requests live now save nothing
+        more. Returns whether every rank cleared within `close_timeout_s`.
+        """
+        if self._scheduler is None:
+            return None
+        self._scheduler.reset()
+        try:
+            loop, client = self._client()
+            removed = loop.run(client.clear(), self._settings.close_timeout_s)
+        except Exception as exc:
+            logger.error("kvtiers: the reset did not clear every worker's cache: %s", exc)
+            return False
+        logger.info("kvtiers: reset: %d chunk copies removed from the tiers", removed)
+        return True
+
     # ==== worker side ================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -272,8 +298,22 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         self._parts["entry"] = entry
         CACHES.publish(self._engine_id, rank, entry)
+        worker = WorkerSide(
+            self._settings,
+            entry,
+            kv_caches,
+            paged,
+            layout,
+            groups=topology.layer_groups,
+            async_loads=topology.hybrid,
+        )
+        self._parts["worker"] = worker
         path = socket_path(self._socket_dir, self._engine_id, topology.dp_rank, rank)
-        server = LookupServer(path, lambda tokens, salt: entry.cache.locate(tokens, salt=salt))
+        server = LookupServer(
+            path,
+            lambda tokens, salt: entry.cache.locate(tokens, salt=salt),
+            functools.partial(worker.clear_cache, self._settings.close_timeout_s),
+        )
         entry.loop.run(server.start(), 30)
         entry.extras[path] = server
         self._parts["server"] = server
@@ -289,16 +329,6 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._events = WorkerEvents(
                 entry, self._settings.event_chunks, self._block_size, self._chunk_size
             )
-        worker = WorkerSide(
-            self._settings,
-            entry,
-            kv_caches,
-            paged,
-            layout,
-            groups=topology.layer_groups,
-            async_loads=topology.hybrid,
-        )
-        self._parts["worker"] = worker
         return worker
 
     def _plan(self) -> StepPlan | None:

@@ -132,6 +132,56 @@ async def test_a_tier_name_not_in_the_order_counts_as_the_lowest(sock_dir):
             await server.aclose()
 
 
+async def test_a_clear_reaches_every_rank_and_sums_what_they_removed(sock_dir):
+    paths = [socket_path(sock_dir, "e", 0, rank) for rank in range(3)]
+    cleared: list[int] = []
+
+    def clearing(rank: int):
+        async def clear():
+            cleared.append(rank)
+            return 10 * (rank + 1)
+
+        return clear
+
+    servers = [LookupServer(p, _answering(64), clearing(r)) for r, p in enumerate(paths)]
+    for server in servers:
+        await server.start()
+    client = LookupClient(paths)
+    try:
+        assert await client.clear() == 60
+        assert sorted(cleared) == [0, 1, 2]
+        assert (await client.lookup(np.array([1]), None)).num_tokens == 64
+    finally:
+        await client.aclose()
+        for server in servers:
+            await server.aclose()
+
+
+async def test_a_clear_that_fails_or_is_not_served_raises_on_the_asking_side(sock_dir):
+    async def working():
+        return 1
+
+    async def broken():
+        raise OSError("read-only store")
+
+    paths = [socket_path(sock_dir, "e", 0, rank) for rank in range(2)]
+    for clear, message in ((broken, "read-only store"), (None, "does not serve 'clear'")):
+        servers = [
+            LookupServer(paths[0], _answering(64), working),
+            LookupServer(paths[1], _answering(64), clear),  # one rank cannot clear
+        ]
+        for server in servers:
+            await server.start()
+        client = LookupClient(paths)
+        try:
+            with pytest.raises(LookupError, match=message):
+                await client.clear()
+        finally:
+            await client.aclose()
+            for server in servers:
+                await server.aclose()
+
+
 def test_socket_paths_are_short_and_distinct():
     a = socket_path("/tmp", "x" * 200, 0, 0)
     assert len(a) < 100

@@ -96,6 +96,28 @@ def test_chunks_in_vllm_prefix_cache_are_not_read_again(inprocess):
     assert reads.get("hits_dram", 0) + reads.get("hits_lmdb", 0) == 2
 
 
+def check_reset(run: dict[str, Any], baseline: list[list[int]]) -> None:
+    """Check a `reset_run`: vLLM's `reset_prefix_cache(reset_connector=True)` clears kvtiers."""
+    assert tokens(run["before"]) == baseline
+    assert all(o["cached"] >= PREFIX for o in run["before"][1:])
+    assert run["reset"] is True
+    (first,) = run["first_after"]
+    assert first["cached"] == 0  # nothing of before the reset is served
+    assert first["tokens"] == baseline[0]
+    # What is computed after the reset is stored and served again.
+    assert all(o["cached"] >= PREFIX for o in run["rest_after"])
+    assert tokens(run["rest_after"]) == baseline[1:]
+
+
+def test_resetting_vllm_prefix_cache_clears_every_tier(inprocess):
+    result, _ = inprocess
+    run = result["reset"]
+    check_reset(run, tokens(result["baseline"])[:3])
+    dram, lmdb = run["entries_before"]
+    assert dram > 0 and lmdb > 0
+    assert run["entries_after"] == [0, 0]
+
+
 def test_kv_replaced_by_other_values_changes_the_output(inprocess):
     result, _ = inprocess
     assert result["other_values_stored"] > 0
@@ -396,6 +418,8 @@ def test_default_multiprocess_mode_reports_worker_saved_hits(
     # The workers' answers name the tier too: vLLM counts every hit from DRAM as `host`.
     sources = run["sources"]
     assert sources["host"] == sources["external"] >= len(run["all"]) * PREFIX
+    # A reset reaches the worker process through the lookup channel.
+    check_reset(run["reset"], tokens(result["baseline"])[:3])
 
 
 def check_two_workers(run: dict[str, Any]) -> list[list[int]]:

@@ -230,6 +230,34 @@ def test_each_step_saves_the_prompt_chunks_its_forward_pass_completes():
     assert not s.build_plan({"r1": 1}, lambda _: blocks).saves  # saved once
 
 
+def test_a_reset_forgets_answers_and_requests_live_then_save_nothing_more():
+    lookup = FakeLookup(hit=128)
+    s = side(lookup, store_generated=True)
+    live, pending, finished = request("live"), request("pending"), request("finished")
+    assert s.get_num_new_matched_tokens(live, 0) == (128, False)  # answered, not allocated
+    lookup.hit = None
+    assert s.get_num_new_matched_tokens(pending, 0) == (None, False)  # lookup in flight
+    s.on_new_request(finished)
+    finished.num_computed_tokens = 300
+    assert s.request_finished(finished, (list(range(19)),)) == (True, None)  # a save planned
+    s.reset()
+    assert lookup.futures[-1].cancelled()
+    assert not s.build_plan({}, lambda _: None).saves  # the planned save is dropped
+    # The live requests' KV may predate the reset: none of it is saved any more.
+    blocks = (list(range(19)),)
+    assert not s.build_plan({"live": 300, "pending": 300}, lambda _: blocks).saves
+    # Their next questions are looked up afresh (what is stored after the reset loads).
+    lookup.hit = 64
+    assert s.get_num_new_matched_tokens(live, 0) == (64, False)
+    live.num_computed_tokens = 300
+    assert s.request_finished(live, blocks) == (False, None)  # no save of generated tokens
+    # A request that arrives after the reset is saved as usual.
+    fresh = request("fresh")
+    s.on_new_request(fresh)
+    assert s.build_plan({"fresh": 300}, lambda _: blocks).saves
+    assert s.take_counts()["resets"] == 1
+
+
 def test_chunks_kvtiers_already_holds_are_not_saved_again():
     s = side(FakeLookup(hit=256))
     r = request()

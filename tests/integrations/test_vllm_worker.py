@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -123,6 +124,38 @@ def test_the_staging_of_a_step_serves_the_next_steps(registry):
     ):
         assert torch.equal(got, want)
     assert w._staging.idle_bytes > 0
+    registry.release(w._entry)
+
+
+def save_step(w: WorkerSide, layers, tokens) -> None:
+    """Run one step that saves `tokens` from the first blocks of `layers`."""
+    ids = (tuple(range(len(tokens) // BS)),)
+    w.begin_saves(StepPlan(saves=[SaveSpec("r", tokens_to_bytes(tokens), None, ids)]))
+    for name in NAMES:
+        w.save_layer(name, layers[name])
+    w.finish_step()
+
+
+def test_clearing_waits_for_saves_in_flight_so_none_lands_after_it(registry, monkeypatch):
+    layers = paged_layers(seed=4)
+    w = worker(registry, layers)
+    cache, loop = w._entry.cache, w._entry.loop
+    other = list(range(900, 932))
+    save_step(w, layers, other)
+    assert w.flush(10)  # two chunks stored
+    store = cache.store
+
+    async def slow_store(*args, **kwargs):
+        await asyncio.sleep(0.3)
+        return await store(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "store", slow_store)
+    save_step(w, layers, TOKENS)  # stored in the background, slowly
+    assert w._saves.pending()
+    assert loop.run(w.clear_cache(10), 30) == 5  # both saves' chunks, in DRAM
+    assert not w._saves.pending()
+    assert loop.run(cache.lookup(TOKENS), 10) == 0
+    assert loop.run(cache.lookup(other), 10) == 0
     registry.release(w._entry)
 
 

@@ -325,7 +325,29 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     result["other_values_stored"], result["engine_c"] = on_other_values(
         model, work, layout, prompts
     )
+    result["reset"] = reset_run(Engine(model, tiers(work, "lmdb-reset"), prefix_caching=False))
     return result
+
+
+def reset_run(engine: Engine) -> dict[str, Any]:
+    """Store, reset the prefix cache with the connector's, then ask again; close `engine`."""
+    prompts = make_prompts(seed=0)
+    # NOTE: the first prompt alone first, so that the others find its chunks stored.
+    result: dict[str, Any] = {"before": engine.generate(prompts[:1]) + engine.generate(prompts[1:])}
+    result["entries_before"] = entries(engine)
+    result["reset"] = engine.llm.reset_prefix_cache(reset_connector=True)
+    result["entries_after"] = entries(engine)
+    result["first_after"] = engine.generate(prompts[:1])  # nothing left to load
+    result["rest_after"] = engine.generate(prompts[1:])  # what was stored since
+    engine.close()
+    return result
+
+
+def entries(engine: Engine) -> list[int] | None:
+    """Return the chunks each tier of the worker's cache holds (`None` in another process)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return None
+    return [tier.usage.num_entries for tier in engine.connector.stats().tiers]
 
 
 def pool_tiers(work: Path) -> dict[str, Any]:
@@ -532,8 +554,8 @@ def scenario_multiprocess(model: str, work: Path) -> dict[str, Any]:
     first = engine.generate(prompts[:1])
     rest = engine.generate(prompts)
     sources = cached_by_source(engine)
-    engine.close()
-    return {"first": first, "all": rest, "start_seconds": engine.start_seconds, "sources": sources}
+    result = {"first": first, "all": rest, "start_seconds": engine.start_seconds}
+    return {**result, "sources": sources, "reset": reset_run(engine)}
 
 
 def scenario_sliding_mp(model: str, work: Path) -> dict[str, Any]:
