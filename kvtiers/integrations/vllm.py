@@ -51,6 +51,7 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     chunk_size_for,
 )
+from kvtiers.integrations._vllm_prom import KVTiersPromMetrics
 from kvtiers.integrations._vllm_prompt import items_hashed
 from kvtiers.integrations._vllm_scheduler import Lookup, SchedulerSide
 from kvtiers.integrations._vllm_sources import by_source, sources_of
@@ -424,6 +425,16 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTiersConnectorStats:
         return KVTiersConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTiersPromMetrics:
+        return KVTiersPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -84,6 +84,12 @@ def test_fresh_engine_gets_the_shared_prefix_from_kvtiers(inprocess):
     assert again["host"] - sources["host"] == again["external"] - sources["external"] > 0
     assert again["disk"] == sources["disk"]
     assert again["device"] == again["p2p"] == again["external_unspecified"] == 0
+    # vLLM's Prometheus metrics carry every counter the connector handed vLLM, summed.
+    # (vLLM's snapshot reads counters as integers: `load_wait_seconds` is truncated.)
+    handed = {key: int(value) for key, value in result["engine_b_reported"].items()}
+    prom = result["engine_b_prom"]
+    assert prom == {key: value for key, value in handed.items() if value}
+    assert prom["hits_lmdb"] > 0 and prom["hits_dram"] > 0 and prom["loaded_bytes"] > 0
 
 
 def test_chunks_in_vllm_prefix_cache_are_not_read_again(inprocess):

@@ -233,6 +233,21 @@ def cached_by_source(engine: Engine) -> dict[str, float]:
     return counts
 
 
+def kvtiers_metrics(engine: Engine) -> dict[str, float]:
+    """Read kvtiers' counters from vLLM's Prometheus metrics (`vllm:kvtiers_*`).
+
+    Keys as in `KVTiersConnectorStats`: `vllm:kvtiers_<key>`, and `hits_<tier>` for
+    `vllm:kvtiers_tier_hits{tier}`; counters never incremented are left out.
+    """
+    counts: dict[str, float] = {}
+    for metric in engine.llm.get_metrics():
+        if metric.name == "vllm:kvtiers_tier_hits":
+            counts[f"hits_{metric.labels['tier']}"] = metric.value
+        elif metric.name.startswith("vllm:kvtiers_") and metric.value:
+            counts[metric.name.removeprefix("vllm:kvtiers_")] = metric.value
+    return counts
+
+
 def tier_hits(connector: Any) -> dict[str, int]:
     stats = connector.stats()
     return {tier.name: tier.hits for tier in stats.tiers} if stats is not None else {}
@@ -295,6 +310,8 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
     result["engine_b_sources"] = cached_by_source(b)
     b.generate(prompts)  # again: the first pass promoted every chunk into DRAM
     result["engine_b_sources_again"] = cached_by_source(b)
+    result["engine_b_prom"] = kvtiers_metrics(b)
+    result["engine_b_reported"] = dict(b.reported)
     layout = b.connector.layout
     b.close()
 

@@ -1,0 +1,94 @@
+"""kvtiers' connector counters on vLLM's own Prometheus endpoint.
+
+vLLM sums the counters of `KVTiersConnectorStats` (the workers' and the scheduler's) per
+step and hands them to `KVTiersPromMetrics.observe`, so a server's `/metrics` carries
+`vllm:kvtiers_<counter>_total` beside vLLM's own metrics, with vLLM's labels (model name,
+engine index), and `vllm:kvtiers_tier_hits_total{tier=...}` for the chunks each tier
+served. kvtiers' own exporter (`metrics` in the tiers config) is still there for the
+cache's view (tier usage, latency histograms, evictions).
+
+This module imports vLLM; only `kvtiers.integrations.vllm` imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+__all__ = ["COUNTERS", "KVTiersPromMetrics"]
+
+COUNTERS: Mapping[str, str] = {
+    "lookups": "Lookups the scheduler started.",
+    "lookup_tokens": "Prompt tokens looked up.",
+    "lookup_hit_tokens": "Tokens the lookups found cached.",
+    "lookup_retries": "Scheduler calls answered 'ask again later' while a lookup ran.",
+    "lookup_timeouts": "Lookups that ran past lookup_deadline_s (served as misses).",
+    "lookup_errors": "Lookups that failed (served as misses).",
+    "planned_load_tokens": "Tokens planned to load into vLLM's blocks.",
+    "planned_save_tokens": "Tokens planned to save from vLLM's blocks.",
+    "loaded_tokens": "Tokens loaded into vLLM's blocks.",
+    "loaded_bytes": "Bytes loaded into vLLM's blocks.",
+    "load_wait_seconds": "Seconds the forward pass waited for loads.",
+    "load_errors": "Loads that failed (vLLM recomputed their blocks).",
+    "load_failed_tokens": "Tokens of failed loads, recomputed by vLLM.",
+    "load_failed_requests": "Requests whose asynchronous load failed (recomputed whole).",
+    "saved_tokens": "Tokens saved that no tier held before.",
+    "saved_bytes": "Bytes saved.",
+    "save_errors": "Saves that failed.",
+    "saves_skipped": "Saves skipped past max_pending_saves.",
+    "resets": "Resets of the cache with vLLM's prefix cache.",
+    "handoff_waits": "Requests that waited for KV a producer announced.",
+    "handoff_arrived": "Waits that ended with the announced KV found.",
+    "handoff_wait_ms": "Milliseconds requests waited for announced KV.",
+    "handoff_timeouts": "Waits that ran past handoff_wait_s.",
+    "handoff_bad_params": "Requests with kv_transfer_params kvtiers could not read.",
+    "kv_events": "KV events handed to vLLM's publisher.",
+    "kv_events_unnamed": "Stored chunks with no vLLM block hashes to name them by.",
+    "kv_events_unconfirmed": "KV events dropped before every rank reported them.",
+}
+"""The counters of `KVTiersConnectorStats`, with their help texts."""
+
+_HITS = "hits_"
+"""Prefix of the per-tier counters: `hits_<tier>` is chunks served by that tier."""
+
+
+class KVTiersPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """Register kvtiers' counters with vLLM's Prometheus registry and feed them."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvtiers_{key}", documentation=doc, labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for key, doc in COUNTERS.items()
+        }
+        self._hits = self._counter_cls(
+            name="vllm:kvtiers_tier_hits",
+            documentation="Chunks served by each kvtiers tier.",
+            labelnames=[*labelnames, "tier"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's counters; keys of no known counter are left out."""
+        for key, value in transfer_stats_data.items():
+            if not value or value < 0:
+                continue
+            counter = self._counters.get(key)
+            if counter is not None:
+                counter[engine_idx].inc(value)
+            elif key.startswith(_HITS):
+                labels = self.per_engine_labelvalues[engine_idx]
+                self._hits.labels(*labels, key[len(_HITS) :]).inc(value)
