@@ -13,7 +13,8 @@ warm. The layout is the larger model of `bench_vllm_ttft` (6 layers, 8 KV heads,
 64, bf16: 48 MiB per prompt), with 256- and 32-token chunks. Baselines, in the same
 conditions: a `copy_` of the same 48 MiB between two reused tensors (for the load), and an
 empty coroutine's round trip to the loop (for the lookup). Each pair is timed back to back
-and after a pause, alternating.
+and after a pause, alternating. One more row per chunk size times `locate` (the lookup the
+vLLM scheduler makes, which also names each chunk's tier) against `lookup`, back to back.
 
 Run alone: `python -m benchmarks.bench_idle [--quick]`.
 """
@@ -101,6 +102,10 @@ def _measure(
     def lookup() -> None:
         assert loop.run(cache.lookup(tokens)) == NUM_TOKENS, "the lookup came up short"
 
+    def locate() -> None:
+        found = loop.run(cache.locate(tokens))
+        assert found.num_tokens == NUM_TOKENS, "the lookup came up short"
+
     results = []
     for pause in pauses:
         when = f"after {pause:g} s idle" if pause else "back to back"
@@ -122,6 +127,15 @@ def _measure(
                 notes="baseline: an empty round trip to the cache's loop",
             )
         )
+    t_locate, t_lookup = _pair(locate, lookup, 0.0, repeats)
+    results.append(
+        Result.of_times(
+            f"locate, {NUM_TOKENS} tokens, chunk {chunk}, back to back",
+            t_locate,
+            t_lookup,
+            notes="baseline: lookup of the same prompt",
+        )
+    )
     return results
 
 
