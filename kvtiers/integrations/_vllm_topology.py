@@ -158,6 +158,15 @@ def _unsupported(spec: Any) -> str:
             f"or linear-attention model ({name}), and vLLM runs such a model only under "
             "its hybrid KV-cache manager; serve this model without the kvtiers connector"
         )
+    cross = getattr(kv_cache_interface, "CrossAttentionSpec", None)
+    if cross is not None and isinstance(spec, cross):
+        # NOTE: only encoder-decoder models have cross-attention layers, and vLLM's
+        # scheduler refuses every KV connector on those, with the manager on or off.
+        return (
+            f"KVTiersConnector cannot serve an encoder-decoder model ({name}): vLLM takes "
+            "no KV connector on encoder-decoder models; serve this model without the "
+            "kvtiers connector"
+        )
     return (
         "KVTiersConnector pools full-attention, sliding-window and chunked-local-attention "
         f"KV, not {name}; pass --disable-hybrid-kv-cache-manager"
