@@ -287,6 +287,9 @@ class StepPlan:
     """The step computes no token (its requests wait, e.g. for asynchronous loads)."""
     waiting: bool = False
     """A request was told to ask again later (a lookup runs, or announced KV is due)."""
+    released: list[str] = field(default_factory=list)
+    """Finished requests whose planned final save a reset dropped: vLLM holds their blocks
+    until the workers report them finished, so they are reported at once."""
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.released)

@@ -475,7 +475,8 @@ class SchedulerSide:
         vLLM resets its prefix cache, and kvtiers' with it, when the model's weights change
         (an RL trainer's weight sync) or to drop what was cached. The KV of requests live
         now may predate the change, so none of it is saved from here on: those requests
-        are marked stale, and saves planned but not handed out yet are dropped. They may
+        are marked stale, and saves planned but not handed out yet are dropped (a finished
+        request's, whose blocks vLLM holds for it, is reported finished at once). They may
         still load what is stored after the reset.
         """
         for tracked in self._reqs.values():
@@ -484,6 +485,7 @@ class SchedulerSide:
             tracked.future, tracked.answer, tracked.tiers = None, None, ()
             tracked.loaded_from, tracked.cached, tracked.awaited = None, 0, 0
             tracked.stale = True
+        self._plan.released.extend(s.req_id for s in self._plan.saves if s.finished)
         self._plan.saves.clear()
         self._count("resets")
 

@@ -156,7 +156,6 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
             return direct
         loop, client = self._client()
-        logger.info("kvtiers: scheduler looks up through the workers' sockets")
 
         def remote(tokens: Any, salt: Any) -> Any:
             return loop.submit(client.lookup(tokens, salt))
@@ -173,6 +172,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             ]
             client = LookupClient(paths, tier_order=list(self._hit_sources))
             self._parts["client"] = (LoopThread(name="kvtiers-lookup"), client)
+            logger.info("kvtiers: scheduler reaches the workers through the sockets %s", paths)
         loop_client: tuple[LoopThread, LookupClient] = self._parts["client"]
         return loop_client
 
@@ -383,14 +383,14 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         failed: set[str] = self._parts.pop("failed_requests", set())
         received = set(failed)
+        plan = self._plan()
+        sent = set(plan.released) if plan is not None else set()
         if self._worker is None:
-            plan = self._plan()
-            sent = {s.req_id for s in plan.saves if s.finished} if plan is not None else set()
+            sent |= {s.req_id for s in plan.saves if s.finished} if plan is not None else set()
         else:
-            plan = self._plan()
             if plan is not None and plan.idle:
                 self._worker.idle_wait(plan.waiting)
-            sent = self._worker.take_finished()
+            sent |= self._worker.take_finished()
             loaded, load_failed = self._worker.take_loads()
             received |= loaded
             failed |= load_failed

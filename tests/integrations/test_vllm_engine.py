@@ -124,6 +124,15 @@ def test_resetting_vllm_prefix_cache_clears_every_tier(inprocess):
     assert run["entries_after"] == [0, 0]
 
 
+def test_a_chat_next_turn_loads_the_last_answer_too(vllm_python, tiny_llama, tmp_path):
+    run = result_of(start(vllm_python, tiny_llama, tmp_path, "turns"))
+    assert run["flushed"]
+    # Each answer's whole chunks were saved with its prompt's once the request finished:
+    # 271-291 tokens computed, four chunks of 64, where the prompts alone hold three.
+    assert [o["cached"] for o in run["second"]] == [256] * 3
+    assert tokens(run["second"]) == tokens(run["baseline"])
+
+
 def test_kv_replaced_by_other_values_changes_the_output(inprocess):
     result, _ = inprocess
     assert result["other_values_stored"] > 0

@@ -242,7 +242,9 @@ def test_a_reset_forgets_answers_and_requests_live_then_save_nothing_more():
     assert s.request_finished(finished, (list(range(19)),)) == (True, None)  # a save planned
     s.reset()
     assert lookup.futures[-1].cancelled()
-    assert not s.build_plan({}, lambda _: None).saves  # the planned save is dropped
+    plan = s.build_plan({}, lambda _: None)
+    assert not plan.saves  # the planned save is dropped, and its request reported finished
+    assert plan.released == ["finished"] and plan
     # The live requests' KV may predate the reset: none of it is saved any more.
     blocks = (list(range(19)),)
     assert not s.build_plan({"live": 300, "pending": 300}, lambda _: blocks).saves

@@ -834,6 +834,7 @@ def main() -> None:
             "chunked",
             "pressure",
             "mamba",
+            "turns",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -901,6 +902,10 @@ def main() -> None:
         from vllm_pressure_scenario import scenario_pressure
 
         result = scenario_pressure(args.model, args.work)
+    elif args.scenario == "turns":
+        from vllm_turns_scenario import scenario_turns
+
+        result = scenario_turns(args.model, args.work)
     elif args.scenario == "handoff-tp2":
         from vllm_handoff_scenario import scenario_handoff_tp2
 

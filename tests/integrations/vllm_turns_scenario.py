@@ -1,0 +1,57 @@
+"""The `turns` scenario of vllm_scenarios.py: a chat's next turn reuses the last answer.
+
+With `store_generated`, a finished request's full chunks of prompt *and* answer are saved
+in the step after it finishes, while vLLM holds its blocks (the connector reports the save
+done through `get_finished`). The next turn of a chat is the last prompt, its answer and
+new text, so it loads past the first prompt:
+
+- engine A (DRAM over LMDB, `store_generated`) answers three prompts of 200-220 tokens
+  with 72 tokens each: 271-291 tokens computed, four whole chunks of 64, where the prompts
+  alone hold three; then one short prompt, whose first step runs the saves of the three;
+- a baseline engine without kvtiers answers the next turns (prompt, answer, 20 new tokens);
+- engine B (a fresh DRAM over the same LMDB) answers them from the pool.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from vllm_scenarios import Engine, tier_hits, tiers
+
+ANSWER_TOKENS = 72
+
+
+def scenario_turns(model: str, work: Path) -> dict[str, Any]:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(200 + 10 * i)] for i in range(3)]
+    result: dict[str, Any] = {"prompts": prompts}
+    a = Engine(
+        model,
+        tiers(work, "lmdb-turns"),
+        prefix_caching=False,
+        extra={"store_generated": True},
+        max_tokens=ANSWER_TOKENS,
+    )
+    result["first"] = a.generate(prompts)
+    # NOTE: `LLM.generate` stops stepping the engine once no request is unfinished, so the
+    # finished requests' saves, planned for the next step, run in the next call's first
+    # step (a server keeps stepping while a request waits for its save).
+    a.generate([[rng.randrange(3, 500) for _ in range(40)]])
+    result["flushed"] = a.connector.flush(60)
+    result["first_stats"] = dict(a.reported)
+    a.close()
+    turns = [
+        p + o["tokens"] + [rng.randrange(3, 500) for _ in range(20)]
+        for p, o in zip(prompts, result["first"], strict=True)
+    ]
+    result["turns"] = turns
+    base = Engine(model, None, prefix_caching=False)
+    result["baseline"] = base.generate(turns)
+    base.close()
+    b = Engine(model, tiers(work, "lmdb-turns"), prefix_caching=False)
+    result["second"] = b.generate(turns)
+    result["second_tier_hits"] = tier_hits(b.connector)
+    b.close()
+    return result
