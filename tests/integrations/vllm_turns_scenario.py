@@ -54,4 +54,31 @@ def scenario_turns(model: str, work: Path) -> dict[str, Any]:
     result["second"] = b.generate(turns)
     result["second_tier_hits"] = tier_hits(b.connector)
     b.close()
+    result["reset"] = _reset_with_saves_planned(model, work, prompts, rng)
+    return result
+
+
+def _reset_with_saves_planned(
+    model: str, work: Path, prompts: list[list[int]], rng: random.Random
+) -> dict[str, Any]:
+    """Reset while finished requests' saves are planned, and vLLM holds their blocks."""
+    engine = Engine(
+        model,
+        tiers(work, "lmdb-reset"),
+        prefix_caching=False,
+        extra={"store_generated": True},
+        max_tokens=ANSWER_TOKENS,
+    )
+    engine.generate(prompts)  # finished; their saves wait for the next step
+    from vllm import SamplingParams
+
+    result: dict[str, Any] = {"held": engine.llm.reset_prefix_cache(reset_connector=True)}
+    # One step of a request with nothing to save (no whole chunk, one output token).
+    short = {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(10)]}
+    engine.llm.generate([short], SamplingParams(temperature=0, max_tokens=1))
+    result["after_step"] = engine.llm.reset_prefix_cache(reset_connector=True)
+    result["flushed"] = engine.connector.flush(60)
+    result["entries"] = [tier.usage.num_entries for tier in engine.connector.stats().tiers]
+    result["again"] = engine.generate(prompts[:1])
+    engine.close()
     return result
