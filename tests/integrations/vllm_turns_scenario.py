@@ -23,17 +23,22 @@ from vllm_scenarios import Engine, tier_hits, tiers
 ANSWER_TOKENS = 72
 
 
-def scenario_turns(model: str, work: Path) -> dict[str, Any]:
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 500) for _ in range(200 + 10 * i)] for i in range(3)]
-    result: dict[str, Any] = {"prompts": prompts}
-    a = Engine(
+def _storing_answers(model: str, work: Path, lmdb_name: str) -> Engine:
+    """An engine over DRAM and LMDB `lmdb_name` that stores answers (`store_generated`)."""
+    return Engine(
         model,
-        tiers(work, "lmdb-turns"),
+        tiers(work, lmdb_name),
         prefix_caching=False,
         extra={"store_generated": True},
         max_tokens=ANSWER_TOKENS,
     )
+
+
+def scenario_turns(model: str, work: Path) -> dict[str, Any]:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(200 + 10 * i)] for i in range(3)]
+    result: dict[str, Any] = {"prompts": prompts}
+    a = _storing_answers(model, work, "lmdb-turns")
     result["first"] = a.generate(prompts)
     # NOTE: `LLM.generate` stops stepping the engine once no request is unfinished, so the
     # finished requests' saves, planned for the next step, run in the next call's first
@@ -62,13 +67,7 @@ def _reset_with_saves_planned(
     model: str, work: Path, prompts: list[list[int]], rng: random.Random
 ) -> dict[str, Any]:
     """Reset while finished requests' saves are planned, and vLLM holds their blocks."""
-    engine = Engine(
-        model,
-        tiers(work, "lmdb-reset"),
-        prefix_caching=False,
-        extra={"store_generated": True},
-        max_tokens=ANSWER_TOKENS,
-    )
+    engine = _storing_answers(model, work, "lmdb-reset")
     engine.generate(prompts)  # finished; their saves wait for the next step
     from vllm import SamplingParams
 
