@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtiers.core.index import LookupResult
+from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._vllm_events import block_origin
 from kvtiers.integrations._vllm_handoff import Role, announce, announced_tokens
 from kvtiers.integrations._vllm_plan import (
@@ -29,67 +28,16 @@ from kvtiers.integrations._vllm_plan import (
     StepPlan,
     tokens_to_bytes,
 )
-from kvtiers.integrations._vllm_prompt import has_items, key_tokens, keyable, rekeyed
+from kvtiers.integrations._vllm_prompt import has_items, keyable
 from kvtiers.integrations._vllm_sources import tokens_by_tier
+from kvtiers.integrations._vllm_tracked import Salt, Tracked, salt_of
 
-__all__ = ["Lookup", "SchedulerSide", "salt_of"]
+__all__ = ["Lookup", "SchedulerSide"]
 
 logger = logging.getLogger("kvtiers.vllm")
 
-Salt = str | bytes | None
 Lookup = Callable[[npt.NDArray[np.int64], Salt], "concurrent.futures.Future[LookupResult]"]
 """Start a lookup of a token prefix; the future gives the cached length and its tiers."""
-
-
-def salt_of(request: Any) -> Salt:
-    """Return the kvtiers salt of a request: its cache salt and LoRA adapter, if any.
-
-    KV computed under another adapter or tenant salt must never match.
-    """
-    parts: list[str] = []
-    cache_salt = getattr(request, "cache_salt", None)
-    if cache_salt:
-        parts.append(f"salt={cache_salt}")
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', lora)}")
-    return "\x1f".join(parts) or None
-
-
-@dataclass(slots=True, eq=False)
-class _Tracked:
-    """What the scheduler side knows about one live request."""
-
-    request: Any
-    salt: Salt
-    eligible: bool
-    """False for requests kvtiers cannot key (`_vllm_prompt.keyable`: misshapen embeddings,
-    multimodal items not named by their content)."""
-    keyed: npt.NDArray[np.int64] | None = None
-    """The ids that key the prompt (`_vllm_prompt.key_tokens`), made once."""
-    answer: int | None = None
-    """Cached prefix length from the last finished lookup, until it is used."""
-    future: concurrent.futures.Future[LookupResult] | None = None
-    tiers: tuple[str, ...] = ()
-    """Per chunk, the tier the last finished lookup found it in (`LookupResult.tiers`)."""
-    loaded_from: dict[str, int] | None = None
-    """Tokens of the accepted load by tier name ("": not known), until taken."""
-    asked_at: float = 0.0
-    asked_computed: int = 0
-    """`num_computed_tokens` of the last `get_num_new_matched_tokens` call."""
-    cached: int = 0
-    """Tokens of the request known to be in kvtiers (found by a lookup, or saved)."""
-    awaited: int = 0
-    """Prompt tokens a producer announced and no lookup has found yet (0: none awaited)."""
-    waiting_since: float | None = None
-    """When a lookup first found less than a producer announced."""
-    next_lookup_at: float = 0.0
-    """While waiting for announced KV: no new lookup before this time."""
-    load_failed: bool = False
-    """An asynchronous load of this request failed: it loads nothing more (vLLM recomputes
-    the whole request, and a lookup could find the same chunks again)."""
-    stale: bool = False
-    """Tracked when the cache was reset (`SchedulerSide.reset`): it saves nothing more."""
 
 
 class SchedulerSide:
@@ -134,34 +82,17 @@ class SchedulerSide:
         self._clock = clock
         self._kv_events = kv_events
         self._role = role or Role.of(None)
-        self._reqs: dict[str, _Tracked] = {}
+        self._reqs: dict[str, Tracked] = {}
         self._plan = StepPlan()
-        self._lock = threading.Lock()
-        self._counts = {
-            "lookups": 0,
-            "lookup_tokens": 0,
-            "lookup_hit_tokens": 0,
-            "lookup_retries": 0,
-            "lookup_timeouts": 0,
-            "lookup_errors": 0,
-            "planned_load_tokens": 0,
-            "planned_save_tokens": 0,
-            "load_failed_requests": 0,
-            "resets": 0,
-            "handoff_waits": 0,
-            "handoff_arrived": 0,
-            "handoff_wait_ms": 0,
-            "handoff_timeouts": 0,
-            "handoff_bad_params": 0,
-        }
+        self._counts = Counters()
 
     # -- requests ----------------------------------------------------------------------
 
-    def _track(self, request: Any) -> _Tracked:
+    def _track(self, request: Any) -> Tracked:
         tracked = self._reqs.get(request.request_id)
         if tracked is None:
             eligible = keyable(request) and (self._multimodal or not has_items(request))
-            tracked = _Tracked(request=request, salt=salt_of(request), eligible=eligible)
+            tracked = Tracked(request=request, salt=salt_of(request), eligible=eligible)
             tracked.awaited = self._announced(request) if eligible else 0
             self._reqs[request.request_id] = tracked
         return tracked
@@ -220,28 +151,12 @@ class SchedulerSide:
         self._plan.waiting = True
         return None, False
 
-    def _keyed(self, tracked: _Tracked, limit: int) -> npt.NDArray[np.int64]:
-        """Return the ids that key the first `limit` tokens of `tracked`'s request.
-
-        The prompt's are made once (hashing embeddings costs milliseconds for long
-        prompts); generated tokens past the prompt are keyed by their own ids.
-        """
-        request = tracked.request
-        if not rekeyed(request):
-            return np.asarray(request.all_token_ids[:limit], dtype=np.int64)
-        if tracked.keyed is None:
-            tracked.keyed = key_tokens(request, request.num_prompt_tokens)
-        if limit <= len(tracked.keyed):
-            return tracked.keyed[:limit]
-        rest = np.asarray(request.all_token_ids[len(tracked.keyed) : limit], dtype=np.int64)
-        return np.concatenate([tracked.keyed, rest])
-
-    def _await_lookup(self, tracked: _Tracked, limit: int) -> int | None:
+    def _await_lookup(self, tracked: Tracked, limit: int) -> int | None:
         if tracked.future is None:
             try:
                 if self._lookup is None:
                     self._lookup = self._make_lookup()
-                tracked.future = self._lookup(self._keyed(tracked, limit), tracked.salt)
+                tracked.future = self._lookup(tracked.keyed(limit), tracked.salt)
             except Exception:
                 logger.exception("kvtiers: starting a lookup failed; served as a miss")
                 self._count("lookup_errors")
@@ -282,7 +197,7 @@ class SchedulerSide:
         self._count("lookup_hit_tokens", hit)
         return hit
 
-    def _handoff(self, tracked: _Tracked, hit: int, wanted: int, computed: int) -> int | None:
+    def _handoff(self, tracked: Tracked, hit: int, wanted: int, computed: int) -> int | None:
         """Return the answer for a request awaiting `wanted` tokens, or None to look again.
 
         A producer's saves reach the shared tiers after it has answered, so the first
@@ -316,7 +231,7 @@ class SchedulerSide:
         tracked.awaited = 0
         return tracked.cached
 
-    def _handoff_end(self, tracked: _Tracked) -> float | None:
+    def _handoff_end(self, tracked: Tracked) -> float | None:
         """Return when the wait for announced KV ends (None: the request is not waiting)."""
         if not tracked.awaited or tracked.waiting_since is None:
             return None
@@ -345,7 +260,7 @@ class SchedulerSide:
         tracked.loaded_from = tokens_by_tier(tracked.tiers, self._chunk, start, end)
         spec = LoadSpec(
             req_id=request.request_id,
-            tokens=tokens_to_bytes(self._keyed(tracked, answer)),
+            tokens=tokens_to_bytes(tracked.keyed(answer)),
             salt=tracked.salt,
             block_ids=_cut(block_ids, start // self._block, end_block),
             start=start,
@@ -404,7 +319,7 @@ class SchedulerSide:
             plan.saves.append(
                 SaveSpec(
                     req_id=req_id,
-                    tokens=tokens_to_bytes(self._keyed(tracked, end)),
+                    tokens=tokens_to_bytes(tracked.keyed(end)),
                     salt=tracked.salt,
                     block_ids=_cut(block_ids, start // self._block, end // self._block),
                     start=start,
@@ -443,7 +358,7 @@ class SchedulerSide:
         return delay, params
 
     def _save_finished(
-        self, request: Any, tracked: _Tracked, block_ids: Sequence[Sequence[int]]
+        self, request: Any, tracked: Tracked, block_ids: Sequence[Sequence[int]]
     ) -> bool:
         """Plan the save of a finished request's generated chunks; return whether planned."""
         if not self._settings.store_generated or not self._role.saves or tracked.stale:
@@ -458,7 +373,7 @@ class SchedulerSide:
         self._plan.saves.append(
             SaveSpec(
                 req_id=request.request_id,
-                tokens=tokens_to_bytes(self._keyed(tracked, target)),
+                tokens=tokens_to_bytes(tracked.keyed(target)),
                 salt=tracked.salt,
                 block_ids=_cut(block_ids, start // self._block, target // self._block),
                 start=start,
@@ -480,10 +395,7 @@ class SchedulerSide:
         still load what is stored after the reset.
         """
         for tracked in self._reqs.values():
-            if tracked.future is not None:
-                tracked.future.cancel()
-            tracked.future, tracked.answer, tracked.tiers = None, None, ()
-            tracked.loaded_from, tracked.cached, tracked.awaited = None, 0, 0
+            tracked.forget_lookups()
             tracked.stale = True
         self._plan.released.extend(s.req_id for s in self._plan.saves if s.finished)
         self._plan.saves.clear()
@@ -495,16 +407,11 @@ class SchedulerSide:
     # -- stats -------------------------------------------------------------------------
 
     def _count(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += amount
+        self._counts.add(name, amount)
 
-    def take_counts(self) -> dict[str, int]:
-        """Return the counters since the last call and reset them."""
-        with self._lock:
-            counts = {k: v for k, v in self._counts.items() if v}
-            for name in self._counts:
-                self._counts[name] = 0
-        return counts
+    def take_counts(self) -> dict[str, float]:
+        """Return the non-zero counters since the last call and reset them."""
+        return self._counts.take()
 
 
 def _cut(block_ids: Sequence[Sequence[int]], first: int, end: int) -> GroupBlocks:

@@ -37,6 +37,7 @@ import torch
 
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu._streams import CopyStream, Event
+from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._staging import StagingTensors
 from kvtiers.integrations._vllm_kv import PagedLayout
@@ -84,8 +85,7 @@ class WorkerSide:
         self.layout = layout
         self._loads: list[Load] = []
         self._failed: set[int] = set()
-        self._lock = threading.Lock()  # guards `_counts`
-        self._counts: dict[str, float] = {}
+        self._counts = Counters()
         self._tier_hits = [0] * len(entry.cache.tiers)
         self._copies = CopyStream(self._kv.device)
         self._staging = StagingTensors(
@@ -390,13 +390,11 @@ class WorkerSide:
         return await self._entry.cache.clear()
 
     def _count(self, name: str, amount: float = 1) -> None:
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + amount
+        self._counts.add(name, amount)
 
     def take_counts(self) -> dict[str, float]:
         """Return the counters and per-tier hits since the last call, then reset them."""
-        with self._lock:
-            counts, self._counts = self._counts, {}
+        counts = self._counts.take()
         for i, tier in enumerate(self._entry.cache.tiers):
             hits = tier.counters.hits
             if hits > self._tier_hits[i]:

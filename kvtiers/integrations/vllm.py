@@ -14,7 +14,6 @@ This module imports vLLM; `import kvtiers` never imports it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import tempfile
 import weakref
@@ -35,9 +34,6 @@ from kvtiers.cache import TieredCache
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import CacheStats
-from kvtiers.integrations._amx import request_amx_tiles
-from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
-from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_events import EventQuorum, WorkerEvents, kv_events_on
 from kvtiers.integrations._vllm_handoff import Role
 from kvtiers.integrations._vllm_messages import (
@@ -46,6 +42,7 @@ from kvtiers.integrations._vllm_messages import (
     KVTiersKVEvents,
     to_vllm_event,
 )
+from kvtiers.integrations._vllm_parts import ConnectorParts
 from kvtiers.integrations._vllm_plan import (
     ConnectorSettings,
     StepPlan,
@@ -53,7 +50,7 @@ from kvtiers.integrations._vllm_plan import (
 )
 from kvtiers.integrations._vllm_prom import KVTiersPromMetrics
 from kvtiers.integrations._vllm_prompt import items_hashed
-from kvtiers.integrations._vllm_scheduler import Lookup, SchedulerSide
+from kvtiers.integrations._vllm_scheduler import SchedulerSide
 from kvtiers.integrations._vllm_sources import by_source, sources_of
 from kvtiers.integrations._vllm_topology import Topology
 from kvtiers.integrations._vllm_worker import WorkerSide
@@ -107,13 +104,20 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._topology.window,
             self._topology.attention_chunk,
         )
-        self._engine_id = str(self._kv_transfer_config.engine_id)
-        self._socket_dir = self._settings.socket_dir or tempfile.gettempdir()
+        self._parts = ConnectorParts(
+            self._settings,
+            self._topology,
+            str(self._kv_transfer_config.engine_id),
+            self._settings.socket_dir or tempfile.gettempdir(),
+            list(self._hit_sources),
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._events: WorkerEvents | None = None
         self._quorum: EventQuorum[KVCacheEvent] | None = None
-        self._parts: dict[str, Any] = {}
+        # What a step's planned loads lose when the worker has no cache (vLLM recomputes).
+        self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             kv_events = kv_events_on(vllm_config, self._settings)
             multimodal = items_hashed(vllm_config)
@@ -127,7 +131,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._settings,
                 self._block_size,
                 self._chunk_size,
-                self._make_lookup,
+                self._parts.make_lookup,
                 kv_events=kv_events,
                 role=self._role,
                 multimodal=multimodal,
@@ -139,42 +143,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 # NOTE: vLLM reads this right after building the scheduler-side connector;
                 # kvtiers is a cache, so a failed load is recomputed, never an error.
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        self._finalizer = weakref.finalize(self, _shut_down, self._parts)
+        self._finalizer = weakref.finalize(self, self._parts.close)
 
     # ==== scheduler side =============================================================
-
-    def _make_lookup(self) -> Lookup:
-        """Find where lookups go: the worker's cache in this process, or the channel."""
-        num_ranks = self._topology.num_ranks
-        entry = CACHES.find(self._engine_id, 0) if num_ranks == 1 else None
-        if entry is not None:
-            found = entry
-
-            def direct(tokens: Any, salt: Any) -> Any:
-                return found.loop.submit(found.cache.locate(tokens, salt=salt))
-
-            logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
-            return direct
-        loop, client = self._client()
-
-        def remote(tokens: Any, salt: Any) -> Any:
-            return loop.submit(client.lookup(tokens, salt))
-
-        return remote
-
-    def _client(self) -> tuple[LoopThread, LookupClient]:
-        """Return the channel to every worker rank, opened on first use."""
-        # NOTE: vLLM calls the scheduler side from its engine-core thread only.
-        if "client" not in self._parts:
-            paths = [
-                socket_path(self._socket_dir, self._engine_id, self._topology.dp_rank, rank)
-                for rank in range(self._topology.num_ranks)
-            ]
-            client = LookupClient(paths, tier_order=list(self._hit_sources))
-            self._parts["client"] = (LoopThread(name="kvtiers-lookup"), client)
-            logger.info("kvtiers: scheduler reaches the workers through the sockets %s", paths)
-        loop_client: tuple[LoopThread, LookupClient] = self._parts["client"]
-        return loop_client
 
     def on_new_request(self, request: Any) -> None:
         if self._scheduler is not None:
@@ -260,7 +231,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None
         self._scheduler.reset()
         try:
-            loop, client = self._client()
+            loop, client = self._parts.channel()
             removed = loop.run(client.clear(), self._settings.close_timeout_s)
         except Exception as exc:
             logger.error("kvtiers: the reset did not clear every worker's cache: %s", exc)
@@ -279,54 +250,12 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             logger.exception("kvtiers: the cache could not be opened; the connector is off")
 
     def _start_worker(self, kv_caches: dict[str, torch.Tensor]) -> WorkerSide:
-        config, topology = self._vllm_config, self._topology
-        if next(iter(kv_caches.values())).device.type == "cpu" and request_amx_tiles():
-            # NOTE: or a load of all but a token, as a fresh engine's first forward pass,
-            # dies in vLLM's AMX attention kernel (see `_amx`).
-            logger.debug("kvtiers: this process may use AMX tiles")
-        paged, layout = topology.worker_layout(
-            config,
-            kv_caches,
-            block_size=self._block_size,
-            chunk_size=self._chunk_size,
-            model_name=self._settings.model_name,
+        worker = self._parts.open_worker(
+            self._vllm_config, kv_caches, self._block_size, self._chunk_size
         )
-        rank = topology.rank()
-        source = self._settings.tiers_source()
-        entry = CACHES.acquire(
-            (config_identity(source), layout),
-            lambda: TieredCache.from_config(source, layout=layout),
-        )
-        self._parts["entry"] = entry
-        CACHES.publish(self._engine_id, rank, entry)
-        worker = WorkerSide(
-            self._settings,
-            entry,
-            kv_caches,
-            paged,
-            layout,
-            groups=topology.layer_groups,
-            async_loads=topology.hybrid,
-        )
-        self._parts["worker"] = worker
-        path = socket_path(self._socket_dir, self._engine_id, topology.dp_rank, rank)
-        server = LookupServer(
-            path,
-            lambda tokens, salt: entry.cache.locate(tokens, salt=salt),
-            functools.partial(worker.clear_cache, self._settings.close_timeout_s),
-        )
-        entry.loop.run(server.start(), 30)
-        entry.extras[path] = server
-        self._parts["server"] = server
-        logger.info(
-            "kvtiers: worker rank %d serves %s (%s layout, chunk %d tokens, lookups on %s)",
-            rank,
-            layout.model,
-            paged.kind,
-            layout.chunk_size,
-            path,
-        )
-        if entry.cache.config.events > 0 and kv_events_on(config, self._settings):
+        entry = self._parts.entry
+        assert entry is not None
+        if entry.cache.config.events > 0 and kv_events_on(self._vllm_config, self._settings):
             self._events = WorkerEvents(
                 entry, self._settings.event_chunks, self._block_size, self._chunk_size
             )
@@ -341,13 +270,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is None or plan is None:
             if plan is not None and plan.loads:  # no cache: every planned load fails
                 if self._topology.hybrid:
-                    self._parts.setdefault("failed_requests", set()).update(
-                        spec.req_id for spec in plan.loads
-                    )
+                    self._failed_requests.update(spec.req_id for spec in plan.loads)
                 else:
-                    self._parts.setdefault("failed", set()).update(
-                        b for spec in plan.loads for b in spec.block_ids[0]
-                    )
+                    self._failed_blocks.update(b for spec in plan.loads for b in spec.block_ids[0])
             return
         self._worker.start_load(plan)
 
@@ -381,7 +306,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        failed: set[str] = self._parts.pop("failed_requests", set())
+        failed, self._failed_requests = self._failed_requests, set()
         received = set(failed)
         plan = self._plan()
         sent = set(plan.released) if plan is not None else set()
@@ -399,7 +324,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed: set[int] = self._parts.pop("failed", set())
+        failed, self._failed_blocks = self._failed_blocks, set()
         if self._worker is not None:
             failed |= self._worker.take_failed_blocks()
         return failed
@@ -451,10 +376,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def stats(self) -> CacheStats | None:
         """Return kvtiers' own stats of the worker-side cache (`None` elsewhere)."""
-        return self._worker_entry_stats()
-
-    def _worker_entry_stats(self) -> CacheStats | None:
-        entry: SharedCache | None = self._parts.get("entry")
+        entry = self._parts.entry
         return None if entry is None else entry.cache.stats()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -465,25 +387,3 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             self._worker.flush(self._settings.close_timeout_s)
         self._finalizer()
-
-
-def _shut_down(parts: dict[str, Any]) -> None:
-    """Release what a connector holds; runs once, at shutdown or when it is collected."""
-    client: tuple[LoopThread, LookupClient] | None = parts.pop("client", None)
-    if client is not None:
-        loop, lookup_client = client
-        try:
-            loop.run(lookup_client.aclose(), 10)
-        except Exception:
-            logger.exception("kvtiers: closing the lookup channel failed")
-        loop.stop()
-    parts.pop("worker", None)
-    entry: SharedCache | None = parts.pop("entry", None)
-    server: LookupServer | None = parts.pop("server", None)
-    if entry is not None:
-        if server is not None and entry.extras.pop(server.path, None) is not None:
-            try:
-                entry.loop.run(server.aclose(), 10)
-            except Exception:
-                logger.exception("kvtiers: closing the lookup server failed")
-        CACHES.release(entry)

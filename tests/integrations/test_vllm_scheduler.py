@@ -15,7 +15,8 @@ from kvtiers.integrations._vllm_plan import (
     chunk_size_for,
     tokens_of,
 )
-from kvtiers.integrations._vllm_scheduler import SchedulerSide, salt_of
+from kvtiers.integrations._vllm_scheduler import SchedulerSide
+from kvtiers.integrations._vllm_tracked import salt_of
 
 BLOCK, CHUNK = 16, 64
 

@@ -554,9 +554,9 @@ def scenario_shared(model: str, work: Path, role: str) -> dict[str, Any]:
 
 def scenario_unasked(model: str, work: Path) -> dict[str, Any]:
     """The reader's restart, with the connector not asking Linux for AMX tiles."""
-    import kvtiers.integrations.vllm as adapter
+    import kvtiers.integrations._vllm_parts as parts
 
-    adapter.request_amx_tiles = lambda: False  # type: ignore[assignment]
+    parts.request_amx_tiles = lambda: False  # type: ignore[assignment]
     engine = Engine(model, tiers(work), prefix_caching=False)
     result = {"restart_whole": engine.generate([whole_chunks_prompt()])}
     engine.close()

@@ -1,0 +1,180 @@
+"""What one vLLM connector holds open, and how it is opened and closed.
+
+The scheduler side holds the lookup channel to every worker rank, opened on first use. A
+worker side holds its shard's `TieredCache` (shared, through `CACHES`, with other
+connectors of the process that have the same config and layout), the `LookupServer` that
+answers the scheduler's lookups and clears, and the `WorkerSide` that moves KV.
+`ConnectorParts.close` releases all of it once: it is the connector's finalizer, so it
+must not refer to the connector.
+
+This module imports torch but no vLLM: vLLM objects are used duck-typed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from kvtiers.cache import TieredCache
+from kvtiers.integrations._amx import request_amx_tiles
+from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
+from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
+from kvtiers.integrations._vllm_plan import ConnectorSettings
+from kvtiers.integrations._vllm_scheduler import Lookup
+from kvtiers.integrations._vllm_topology import Topology
+from kvtiers.integrations._vllm_worker import WorkerSide
+
+__all__ = ["ConnectorParts"]
+
+logger = logging.getLogger("kvtiers.vllm")
+
+
+class ConnectorParts:
+    """Open a connector's channel, cache and server on demand; close them once.
+
+    Args:
+        settings: the connector settings.
+        topology: vLLM's parallel layout and KV-cache groups.
+        engine_id: vLLM's engine id (names the sockets and the published cache).
+        socket_dir: where the lookup sockets live.
+        tier_order: the cache's tier names, top first (merges ranks' per-chunk tiers).
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        topology: Topology,
+        engine_id: str,
+        socket_dir: str,
+        tier_order: list[str],
+    ) -> None:
+        self._settings = settings
+        self._topology = topology
+        self._engine_id = engine_id
+        self._socket_dir = socket_dir
+        self._tier_order = tier_order
+        self._channel: tuple[LoopThread, LookupClient] | None = None
+        self.entry: SharedCache | None = None
+        """The worker's shared cache (worker side, once opened)."""
+        self._server: LookupServer | None = None
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def make_lookup(self) -> Lookup:
+        """Return where lookups go: the worker's cache in this process, or the channel."""
+        entry = CACHES.find(self._engine_id, 0) if self._topology.num_ranks == 1 else None
+        if entry is not None:
+            found = entry
+
+            def direct(tokens: Any, salt: Any) -> Any:
+                return found.loop.submit(found.cache.locate(tokens, salt=salt))
+
+            logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
+            return direct
+        loop, client = self.channel()
+
+        def remote(tokens: Any, salt: Any) -> Any:
+            return loop.submit(client.lookup(tokens, salt))
+
+        return remote
+
+    def channel(self) -> tuple[LoopThread, LookupClient]:
+        """Return the channel to every worker rank, opened on first use."""
+        # NOTE: vLLM calls the scheduler side from its engine-core thread only.
+        if self._channel is None:
+            paths = [
+                socket_path(self._socket_dir, self._engine_id, self._topology.dp_rank, rank)
+                for rank in range(self._topology.num_ranks)
+            ]
+            client = LookupClient(paths, tier_order=self._tier_order)
+            self._channel = (LoopThread(name="kvtiers-lookup"), client)
+            logger.info("kvtiers: scheduler reaches the workers through the sockets %s", paths)
+        return self._channel
+
+    # -- worker side -------------------------------------------------------------------
+
+    def open_worker(
+        self,
+        vllm_config: Any,
+        kv_caches: dict[str, torch.Tensor],
+        block_size: int,
+        chunk_size: int,
+    ) -> WorkerSide:
+        """Open this rank's cache and lookup server; return the worker side over them.
+
+        Raises:
+            Exception: whatever opening the tiers or the server raised; what was opened
+                before it is released by `close`.
+        """
+        topology, settings = self._topology, self._settings
+        if next(iter(kv_caches.values())).device.type == "cpu" and request_amx_tiles():
+            # NOTE: or a load of all but a token, as a fresh engine's first forward pass,
+            # dies in vLLM's AMX attention kernel (see `_amx`).
+            logger.debug("kvtiers: this process may use AMX tiles")
+        paged, layout = topology.worker_layout(
+            vllm_config,
+            kv_caches,
+            block_size=block_size,
+            chunk_size=chunk_size,
+            model_name=settings.model_name,
+        )
+        rank = topology.rank()
+        source = settings.tiers_source()
+        entry = CACHES.acquire(
+            (config_identity(source), layout),
+            lambda: TieredCache.from_config(source, layout=layout),
+        )
+        self.entry = entry
+        CACHES.publish(self._engine_id, rank, entry)
+        worker = WorkerSide(
+            settings,
+            entry,
+            kv_caches,
+            paged,
+            layout,
+            groups=topology.layer_groups,
+            async_loads=topology.hybrid,
+        )
+        path = socket_path(self._socket_dir, self._engine_id, topology.dp_rank, rank)
+        server = LookupServer(
+            path,
+            lambda tokens, salt: entry.cache.locate(tokens, salt=salt),
+            functools.partial(worker.clear_cache, settings.close_timeout_s),
+        )
+        entry.loop.run(server.start(), 30)
+        entry.extras[path] = server
+        self._server = server
+        logger.info(
+            "kvtiers: worker rank %d serves %s (%s layout, chunk %d tokens, lookups on %s)",
+            rank,
+            layout.model,
+            paged.kind,
+            layout.chunk_size,
+            path,
+        )
+        return worker
+
+    # -- both sides --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what was opened; later calls do nothing."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            loop, client = channel
+            try:
+                loop.run(client.aclose(), 10)
+            except Exception:
+                logger.exception("kvtiers: closing the lookup channel failed")
+            loop.stop()
+        entry, self.entry = self.entry, None
+        server, self._server = self._server, None
+        if entry is not None:
+            if server is not None and entry.extras.pop(server.path, None) is not None:
+                try:
+                    entry.loop.run(server.aclose(), 10)
+                except Exception:
+                    logger.exception("kvtiers: closing the lookup server failed")
+            CACHES.release(entry)
