@@ -11,7 +11,7 @@ A proxy passes these on with the request it sends to the decode instance, as vLL
 disaggregated-serving proxies pass `kv_transfer_params`. The producer's saves reach the
 shared tiers in the background, so the decode instance's first lookup can come before
 them; the scheduler side then answers vLLM 'ask again later' and looks again (see
-`SchedulerSide`). A decode instance (`kv_role = "kv_consumer"`) loads and stores nothing:
+`HandoffWaits`). A decode instance (`kv_role = "kv_consumer"`) loads and stores nothing:
 its prompts were stored by the producer, and its decode steps are not reused.
 
 Nothing here imports vLLM.
@@ -19,14 +19,19 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvtiers.core.checks import is_int
 from kvtiers.core.errors import ConfigError
+from kvtiers.integrations._vllm_plan import ConnectorSettings
+from kvtiers.integrations._vllm_tracked import Tracked
 
-__all__ = ["PARAMS_KEY", "Role", "announce", "announced_tokens"]
+__all__ = ["PARAMS_KEY", "HandoffWaits", "Role", "announce", "announced_tokens"]
+
+logger = logging.getLogger("kvtiers.vllm")
 
 PARAMS_KEY = "kvtiers"
 """The key of kvtiers' entry in vLLM's `kv_transfer_params`."""
@@ -79,3 +84,64 @@ def announced_tokens(params: Any) -> int | None:
             f"got {entry!r:.200}"
         )
     return int(value)
+
+
+class HandoffWaits:
+    """Decide, lookup after lookup, how long a consumer's request waits for announced KV.
+
+    Args:
+        settings: the connector settings (`handoff_wait_s`, `handoff_poll_ms`).
+        clock: monotonic seconds (the scheduler side's).
+        count: adds to one of the scheduler side's counters.
+    """
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        clock: Callable[[], float],
+        count: Callable[[str, int], None],
+    ) -> None:
+        self._wait_s = settings.handoff_wait_s
+        self._poll_s = settings.handoff_poll_ms / 1000
+        self._clock = clock
+        self._count = count
+
+    def answer(self, tracked: Tracked, hit: int, wanted: int, computed: int) -> int | None:
+        """Return the answer for a request awaiting `wanted` tokens, or None to look again.
+
+        A producer's saves reach the shared tiers after it has answered, so the first
+        lookups of a consumer can miss them. The request waits (vLLM skips it for a step)
+        and is looked up again every `handoff_poll_ms`, for at most `handoff_wait_s`; then
+        it loads the most that a lookup found. Tokens vLLM holds itself are not awaited.
+        """
+        # NOTE: before its first answer only lookups set `cached` (nothing is saved yet).
+        tracked.cached = max(tracked.cached, hit)
+        now = self._clock()
+        if max(hit, computed) >= wanted:
+            if tracked.waiting_since is not None:
+                self._count("handoff_arrived", 1)
+                self._count("handoff_wait_ms", round((now - tracked.waiting_since) * 1000))
+            tracked.awaited = 0
+            return hit
+        if tracked.waiting_since is None:
+            tracked.waiting_since = now
+            self._count("handoff_waits", 1)
+        end = tracked.waiting_since + self._wait_s
+        if now < end:
+            tracked.next_lookup_at = min(now + self._poll_s, end)
+            return None
+        logger.warning(
+            "kvtiers: %d of %d announced tokens arrived within %ss; the rest is computed",
+            tracked.cached,
+            wanted,
+            self._wait_s,
+        )
+        self._count("handoff_timeouts", 1)
+        tracked.awaited = 0
+        return tracked.cached
+
+    def end(self, tracked: Tracked) -> float | None:
+        """Return when the wait for announced KV ends (None: the request is not waiting)."""
+        if not tracked.awaited or tracked.waiting_since is None:
+            return None
+        return tracked.waiting_since + self._wait_s

@@ -18,7 +18,7 @@ import numpy.typing as npt
 from kvtiers.core.index import LookupResult
 from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._vllm_events import block_origin
-from kvtiers.integrations._vllm_handoff import Role, announce, announced_tokens
+from kvtiers.integrations._vllm_handoff import HandoffWaits, Role, announce, announced_tokens
 from kvtiers.integrations._vllm_plan import (
     BlockOrigin,
     ConnectorSettings,
@@ -85,6 +85,7 @@ class SchedulerSide:
         self._reqs: dict[str, Tracked] = {}
         self._plan = StepPlan()
         self._counts = Counters()
+        self._handoffs = HandoffWaits(settings, clock, self._count)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -138,7 +139,9 @@ class SchedulerSide:
                 return self._ask_later()
             hit = self._await_lookup(tracked, whole)
             if hit is not None and tracked.awaited:
-                hit = self._handoff(tracked, hit, min(tracked.awaited, whole), num_computed_tokens)
+                hit = self._handoffs.answer(
+                    tracked, hit, min(tracked.awaited, whole), num_computed_tokens
+                )
             if hit is None:
                 return self._ask_later()
             tracked.answer = hit
@@ -169,7 +172,7 @@ class SchedulerSide:
         # NOTE: a request waiting for announced KV is looked up again step after step; its
         # lookups must not hold up vLLM's scheduler (their answers are taken at a later
         # call), nor outlast the wait (which then serves what earlier lookups found).
-        handoff_end = self._handoff_end(tracked)
+        handoff_end = self._handoffs.end(tracked)
         if handoff_end is not None:
             deadline, wait_s = min(deadline, handoff_end), 0
         try:
@@ -196,46 +199,6 @@ class SchedulerSide:
         tracked.future = None
         self._count("lookup_hit_tokens", hit)
         return hit
-
-    def _handoff(self, tracked: Tracked, hit: int, wanted: int, computed: int) -> int | None:
-        """Return the answer for a request awaiting `wanted` tokens, or None to look again.
-
-        A producer's saves reach the shared tiers after it has answered, so the first
-        lookups of a consumer can miss them. The request waits (vLLM skips it for a step)
-        and is looked up again every `handoff_poll_ms`, for at most `handoff_wait_s`; then
-        it loads the most that a lookup found. Tokens vLLM holds itself are not awaited.
-        """
-        # NOTE: before its first answer only lookups set `cached` (nothing is saved yet).
-        tracked.cached = max(tracked.cached, hit)
-        now = self._clock()
-        if max(hit, computed) >= wanted:
-            if tracked.waiting_since is not None:
-                self._count("handoff_arrived")
-                self._count("handoff_wait_ms", round((now - tracked.waiting_since) * 1000))
-            tracked.awaited = 0
-            return hit
-        if tracked.waiting_since is None:
-            tracked.waiting_since = now
-            self._count("handoff_waits")
-        end = tracked.waiting_since + self._settings.handoff_wait_s
-        if now < end:
-            tracked.next_lookup_at = min(now + self._settings.handoff_poll_ms / 1000, end)
-            return None
-        logger.warning(
-            "kvtiers: %d of %d announced tokens arrived within %ss; the rest is computed",
-            tracked.cached,
-            wanted,
-            self._settings.handoff_wait_s,
-        )
-        self._count("handoff_timeouts")
-        tracked.awaited = 0
-        return tracked.cached
-
-    def _handoff_end(self, tracked: Tracked) -> float | None:
-        """Return when the wait for announced KV ends (None: the request is not waiting)."""
-        if not tracked.awaited or tracked.waiting_since is None:
-            return None
-        return tracked.waiting_since + self._settings.handoff_wait_s
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
