@@ -220,7 +220,7 @@ class SchedulerSide:
         # to a block stays inside the loaded prefix (with a whole prompt cached, `end` is
         # its last token, whose slot the load fills before vLLM computes it).
         end_block = -(-end // self._block)
-        tracked.loaded_from = tokens_by_tier(tracked.tiers, self._chunk, start, end)
+        tracked.loaded = (start, end)
         spec = LoadSpec(
             req_id=request.request_id,
             tokens=tokens_to_bytes(tracked.keyed(answer)),
@@ -240,10 +240,11 @@ class SchedulerSide:
         known tier (a hand-off's answer taken from an earlier lookup).
         """
         tracked = self._reqs.get(request.request_id)
-        if tracked is None or tracked.loaded_from is None:
+        if tracked is None or tracked.loaded is None:
             return {}
-        loaded, tracked.loaded_from = tracked.loaded_from, None
-        return loaded
+        (start, end), tracked.loaded = tracked.loaded, None
+        # NOTE: split here, not when the load is planned: vLLM asks only with stats on.
+        return tokens_by_tier(tracked.tiers, self._chunk, start, end)
 
     # -- steps -------------------------------------------------------------------------
 

@@ -52,8 +52,8 @@ class Tracked:
     future: concurrent.futures.Future[LookupResult] | None = None
     tiers: tuple[str, ...] = ()
     """Per chunk, the tier the last finished lookup found it in (`LookupResult.tiers`)."""
-    loaded_from: dict[str, int] | None = None
-    """Tokens of the accepted load by tier name ("": not known), until taken."""
+    loaded: tuple[int, int] | None = None
+    """The token span `[start, end)` of the accepted load, until its tiers are asked for."""
     asked_at: float = 0.0
     asked_computed: int = 0
     """`num_computed_tokens` of the last `get_num_new_matched_tokens` call."""
@@ -92,4 +92,4 @@ class Tracked:
         if self.future is not None:
             self.future.cancel()
         self.future, self.answer, self.tiers = None, None, ()
-        self.loaded_from, self.cached, self.awaited = None, 0, 0
+        self.loaded, self.cached, self.awaited = None, 0, 0

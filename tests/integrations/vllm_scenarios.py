@@ -187,6 +187,15 @@ class Engine:
 
             connector.get_kv_connector_stats = recording
 
+    def settle(self) -> None:
+        """Wait for the connector's saves, then record the counts they leave.
+
+        vLLM takes the connector's counters once a step; the last saves can end after the
+        last step of a `generate`, and their counts would wait for the next one.
+        """
+        assert self.connector.flush(60)
+        self.connector.get_kv_connector_stats()  # recorded by _record_connector_stats
+
     def generate(
         self, prompts: list[Any], kv_transfer_params: list[Any] | None = None
     ) -> list[dict[str, Any]]:
@@ -297,6 +306,7 @@ def scenario_inprocess(model: str, work: Path) -> dict[str, Any]:
 
     a = Engine(model, tiers(work), prefix_caching=True)
     result["engine_a"] = a.generate(prompts)
+    a.settle()
     result["engine_a_stats"] = a.reported
     a.close()
 
