@@ -7,14 +7,15 @@ answers the scheduler's lookups and clears, and the `WorkerSide` that moves KV.
 `ConnectorParts.close` releases all of it once: it is the connector's finalizer, so it
 must not refer to the connector.
 
-This module imports torch but no vLLM: vLLM objects are used duck-typed.
+This module imports torch but no vLLM: vLLM objects are used duck-typed (`Topology`, which
+imports vLLM, only for its type).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,8 +25,10 @@ from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, confi
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_plan import ConnectorSettings
 from kvtiers.integrations._vllm_scheduler import Lookup
-from kvtiers.integrations._vllm_topology import Topology
 from kvtiers.integrations._vllm_worker import WorkerSide
+
+if TYPE_CHECKING:
+    from kvtiers.integrations._vllm_topology import Topology
 
 __all__ = ["ConnectorParts"]
 
