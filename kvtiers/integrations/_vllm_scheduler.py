@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from kvtiers.core.index import LookupResult
 from kvtiers.integrations._counters import Counters
+from kvtiers.integrations._vllm_counts import COUNTERS
 from kvtiers.integrations._vllm_events import block_origin
 from kvtiers.integrations._vllm_handoff import HandoffWaits, Role, announce, announced_tokens
 from kvtiers.integrations._vllm_plan import (
@@ -84,7 +85,7 @@ class SchedulerSide:
         self._role = role or Role.of(None)
         self._reqs: dict[str, Tracked] = {}
         self._plan = StepPlan()
-        self._counts = Counters()
+        self._counts = Counters(COUNTERS)
         self._handoffs = HandoffWaits(settings, clock, self._count)
 
     # -- requests ----------------------------------------------------------------------

@@ -40,6 +40,7 @@ from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._staging import StagingTensors
+from kvtiers.integrations._vllm_counts import COUNTERS
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_loads import LayerSet, Load, layer_order, live_blocks, load_from
 from kvtiers.integrations._vllm_plan import ConnectorSettings, StepPlan, tokens_of
@@ -85,7 +86,7 @@ class WorkerSide:
         self.layout = layout
         self._loads: list[Load] = []
         self._failed: set[int] = set()
-        self._counts = Counters()
+        self._counts = Counters(COUNTERS)
         self._tier_hits = [0] * len(entry.cache.tiers)
         self._copies = CopyStream(self._kv.device)
         self._staging = StagingTensors(

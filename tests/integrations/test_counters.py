@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kvtiers.integrations._counters import Counters
 
 
@@ -36,3 +38,11 @@ def test_adds_from_many_threads_are_all_counted():
         thread.join()
     taken.append(counts.take())
     assert sum(t.get("n", 0) for t in taken) == 40_000
+
+
+def test_only_the_named_counters_can_be_added_to():
+    counts = Counters(["lookups"])
+    counts.add("lookups")
+    with pytest.raises(KeyError, match="lookupz"):
+        counts.add("lookupz")
+    assert counts.take() == {"lookups": 1}
