@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["COUNTERS"]
+__all__ = ["COUNTERS", "HITS_PREFIX"]
+
+HITS_PREFIX = "hits_"
+"""Prefix of the per-tier counters: `hits_<tier>` is chunks served by that tier."""
 
 COUNTERS: Mapping[str, str] = {
     "lookups": "Lookups the scheduler started.",

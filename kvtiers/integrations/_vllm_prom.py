@@ -17,13 +17,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvtiers.integrations._vllm_counts import COUNTERS
+from kvtiers.integrations._vllm_counts import COUNTERS, HITS_PREFIX
 
 __all__ = ["KVTiersPromMetrics"]
-
-
-_HITS = "hits_"
-"""Prefix of the per-tier counters: `hits_<tier>` is chunks served by that tier."""
 
 
 class KVTiersPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
@@ -60,6 +56,6 @@ class KVTiersPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             counter = self._counters.get(key)
             if counter is not None:
                 counter[engine_idx].inc(value)
-            elif key.startswith(_HITS):
+            elif key.startswith(HITS_PREFIX):
                 labels = self.per_engine_labelvalues[engine_idx]
-                self._hits.labels(*labels, key[len(_HITS) :]).inc(value)
+                self._hits.labels(*labels, key[len(HITS_PREFIX) :]).inc(value)

@@ -40,7 +40,7 @@ from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._staging import StagingTensors
-from kvtiers.integrations._vllm_counts import COUNTERS
+from kvtiers.integrations._vllm_counts import COUNTERS, HITS_PREFIX
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_loads import LayerSet, Load, layer_order, live_blocks, load_from
 from kvtiers.integrations._vllm_plan import ConnectorSettings, StepPlan, tokens_of
@@ -399,7 +399,7 @@ class WorkerSide:
         for i, tier in enumerate(self._entry.cache.tiers):
             hits = tier.counters.hits
             if hits > self._tier_hits[i]:
-                counts[f"hits_{tier.name}"] = hits - self._tier_hits[i]
+                counts[f"{HITS_PREFIX}{tier.name}"] = hits - self._tier_hits[i]
             self._tier_hits[i] = hits
         if counts.get("loaded_tokens"):
             counts["loaded_bytes"] = counts["loaded_tokens"] * self.layout.bytes_per_token
