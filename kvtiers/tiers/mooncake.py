@@ -29,9 +29,8 @@ them held, and writes again those it no longer has. `close` waits for the calls 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,7 @@ from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import StoreHealth, TierUsage
+from kvtiers.core.stats import TierUsage
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._mooncake_catalog import KnownChunks
 from kvtiers.tiers._mooncake_io import (
@@ -56,18 +55,16 @@ from kvtiers.tiers._mooncake_io import (
     setup_client,
 )
 from kvtiers.tiers._pool_guard import (
-    FullEpisodes,
-    InFlight,
     StoredValues,
     StoreGuard,
     StoreUnavailable,
     check_keys,
     plan_put,
-    tally_reads,
 )
 from kvtiers.tiers._pool_options import MooncakeOptions
-from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
-from kvtiers.tiers.base import Buffer, Tier
+from kvtiers.tiers._pool_tier import PoolTier
+from kvtiers.tiers._remote_breaker import CircuitBreaker
+from kvtiers.tiers.base import Buffer
 
 __all__ = ["MooncakeOptions", "MooncakeTier"]
 
@@ -76,7 +73,7 @@ _GROUP_BYTES = 64 * 2**20  # values per store call, at most (one value may be mo
 _MIN_BUFFER = 16 * 2**20  # the client's own transfer buffer, at least
 
 
-class MooncakeTier(Tier):
+class MooncakeTier(PoolTier):
     """A tier of chunks in a Mooncake Store, shared by every client of its master.
 
     `used_bytes` counts whole stored values (header and payload) that this process knows to
@@ -91,34 +88,26 @@ class MooncakeTier(Tier):
     """
 
     kind = "mooncake"
-    shared = True
-    manages_eviction = True
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
-        super().__init__(config, layout)
         self.options = options = MooncakeOptions.from_config(config)
-        self._values = StoredValues(config, layout)
-        self._fingerprint = layout.fingerprint
-        self.value_bytes = self._values.value_bytes
-        """Bytes of one stored value (header and payload)."""
-        if options.buffer_size and options.buffer_size < self.value_bytes:
-            raise ConfigError(
-                f"{config.where}.buffer_size: smaller than one stored chunk "
-                f"({self.value_bytes} bytes), got {options.buffer_size}"
-            )
-        self.max_entries = self.capacity_bytes // self.value_bytes
-        """Chunks the capacity holds."""
-        self.namespace = f"{options.prefix}/{self._fingerprint.hex()}"
-        """The first part of every object key of this tier's layout."""
-        self._per_call = max(1, _GROUP_BYTES // self.value_bytes)  # chunks per store call
-        self._guard = StoreGuard(
-            f"mooncake tier {self.name!r}",
+        guard = StoreGuard(
+            f"mooncake tier {config.name or self.kind!r}",
             f"mooncake master {options.master}",
             timeout=None,  # NOTE: StoreCalls times calls out; the guard cannot stop a thread
             slots=options.max_in_flight,
             breaker=CircuitBreaker(options.breaker_failures, options.breaker_cooldown),
             errors=(StoreFailed, RuntimeError, OSError, ValueError),
         )
+        values = StoredValues(config, layout)
+        super().__init__(config, layout, values=values, guard=guard, batch_bytes=_GROUP_BYTES)
+        if options.buffer_size and options.buffer_size < self.value_bytes:
+            raise ConfigError(
+                f"{config.where}.buffer_size: smaller than one stored chunk "
+                f"({self.value_bytes} bytes), got {options.buffer_size}"
+            )
+        self.namespace = f"{options.prefix}/{layout.fingerprint.hex()}"
+        """The first part of every object key of this tier's layout."""
         self._catalog = KnownChunks(self.max_entries)
         self._store: Any = None
         self._replicate: Any = None
@@ -127,17 +116,6 @@ class MooncakeTier(Tier):
         self._write_lock = asyncio.Lock()  # one put at a time: exact accounting
         self._connect_lock = asyncio.Lock()
         self._new_client: Callable[[], Any] = lambda: None
-        self._in_flight = InFlight()  # `close` waits for them
-        self._full = FullEpisodes(self._guard, f"mooncake tier {self.name!r}")
-
-    @property
-    def io_counters(self) -> IOCounters:
-        """What the calls to the store went through: failures, timeouts, refusals."""
-        return self._guard.counters
-
-    def store_health(self) -> StoreHealth:
-        # docstring inherited
-        return health_of(self._guard.breaker, self._guard.counters)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -204,13 +182,6 @@ class MooncakeTier(Tier):
         if store is not None:
             await asyncio.to_thread(store.close)
 
-    @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        """Check that the tier is open; count the call in flight until it ends."""
-        self._ensure_open()
-        with self._in_flight.call():
-            yield
-
     @property
     def _io(self) -> StoreCalls:
         assert self._calls is not None  # NOTE: set by _open; every caller checks the state
@@ -244,20 +215,10 @@ class MooncakeTier(Tier):
             check_keys(keys)
             self._check_buffers(keys, dsts)
             store = await self._client() if keys else None
-            if store is None or self._guard.refuses():
-                self.counters.misses += len(keys)
-                self.counters.unavailable += bool(keys)
-                return [False] * len(keys)
-            per_call = self._per_call
-            found = await gather_all(
-                self._get_some(store, keys[i : i + per_call], dsts[i : i + per_call])
-                for i in range(0, len(keys), per_call)
-            )
-            hits, bad = tally_reads(self.counters, keys, found, self.layout.chunk_bytes)
-            self._catalog.note_reads(keys, hits)
-            if bad:
-                await self._remove(bad)
-            return hits
+            read = functools.partial(self._get_some, store)
+            reachable = store is not None
+            chunk_bytes = self.layout.chunk_bytes
+            return await self._read_batches(keys, dsts, read, chunk_bytes, reachable=reachable)
 
     async def _get_some(
         self, store: Any, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]
@@ -265,13 +226,16 @@ class MooncakeTier(Tier):
         """Read one call's worth of keys into `dsts`; `None` where there was no value.
 
         A value the store failed to deliver (lost with its segment) is `CORRUPT`, so that
-        it is removed and may be written again.
+        it is removed and may be written again. Each hit becomes the most recent of the
+        known chunks; each miss is forgotten.
         """
+        verdicts: list[Verdict | None] = [None] * len(keys)
         try:
-            return await self._guard.call(functools.partial(self._read_some, store, keys, dsts))
+            verdicts = await self._guard.call(functools.partial(self._read_some, store, keys, dsts))
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
-            return [None] * len(keys)
+        self._catalog.note_reads(keys, [verdict is Verdict.OK for verdict in verdicts])
+        return verdicts
 
     async def _read_some(
         self, store: Any, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]
@@ -405,13 +369,6 @@ class MooncakeTier(Tier):
             self._full.refused(num_refused, f"{why} of {self.value_bytes} bytes")
         elif stored:
             self._full.took()
-
-    async def delete(self, keys: Sequence[ChunkKey]) -> None:
-        # docstring inherited
-        with self._running():
-            check_keys(keys)
-            if keys:
-                await self._remove(keys)
 
     async def _remove(self, keys: Sequence[ChunkKey]) -> None:
         """Remove `keys` from the store (forced: leases do not hold it up)."""

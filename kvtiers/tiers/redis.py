@@ -25,9 +25,8 @@ proxy that keeps one layout's keys on one shard), not Redis Cluster.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,25 +45,23 @@ from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import StoreHealth, TierUsage
+from kvtiers.core.stats import TierUsage
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._pool_guard import (
-    FullEpisodes,
-    InFlight,
     StoredValues,
     StoreGuard,
     StoreUnavailable,
     check_keys,
     plan_put,
-    tally_reads,
 )
 from kvtiers.tiers._pool_options import RedisOptions
+from kvtiers.tiers._pool_tier import PoolTier
 from kvtiers.tiers._redis_layers import LayerRanges
 from kvtiers.tiers._redis_requests import RedisRequests
-from kvtiers.tiers._remote_breaker import CircuitBreaker, IOCounters, gather_all, health_of
+from kvtiers.tiers._remote_breaker import CircuitBreaker
 from kvtiers.tiers._remote_layers import LayerPlan
 from kvtiers.tiers._remote_options import Redactor, display_url
-from kvtiers.tiers.base import Buffer, Tier
+from kvtiers.tiers.base import Buffer
 
 __all__ = ["RedisOptions", "RedisTier"]
 
@@ -74,7 +71,7 @@ __all__ = ["RedisOptions", "RedisTier"]
 _BATCH_BYTES = 64 * 2**20
 
 
-class RedisTier(Tier):
+class RedisTier(PoolTier):
     """A tier of chunks in a Redis or Valkey server, shared by every process that uses it.
 
     `used_bytes` counts whole stored values (header and payload) of every process, as of
@@ -90,35 +87,11 @@ class RedisTier(Tier):
     """
 
     kind = "redis"
-    shared = True
-    manages_eviction = True
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
-        super().__init__(config, layout)
-        self.options = RedisOptions.from_config(config)
-        self._values = StoredValues(config, layout, layer_checksums=True)
-        self._ranges = LayerRanges(layout, self._values.header_len, layout.fingerprint)
-        self._fingerprint = layout.fingerprint
-        self.value_bytes = self._values.value_bytes
-        """Bytes of one stored value (header and payload)."""
-        if self.value_bytes > self.options.max_value_bytes:
-            raise ConfigError(
-                f"{config.where}.max_value_bytes: a stored chunk takes "
-                f"{format_size(self.value_bytes)} ({self.value_bytes} bytes), more than the "
-                f"server accepts per value ({format_size(self.options.max_value_bytes)}); use a "
-                f"smaller chunk_size, or raise the server's proto-max-bulk-len and this option"
-            )
-        self.max_entries = self.capacity_bytes // self.value_bytes
-        """Chunks the capacity holds."""
-        self._per_call = max(1, _BATCH_BYTES // self.value_bytes)  # chunks per request
-        base = f"{self.options.prefix}:{self._fingerprint.hex()}"
-        self.namespace = base
-        """The first part of every key of this tier's layout."""
-        self._io = RedisRequests(base, self._ttl_ms(), self._ranges)
-        self._lru = self._io.lru
-        options = self.options
-        self._guard = StoreGuard(
-            f"redis tier {self.name!r}",
+        self.options = options = RedisOptions.from_config(config)
+        guard = StoreGuard(
+            f"redis tier {config.name or self.kind!r}",
             display_url(options.url),
             # NOTE: the client's socket timeout bounds each wait for the server instead: a
             # whole request may rightly take longer while the server serves the tier's others.
@@ -129,18 +102,21 @@ class RedisTier(Tier):
             timeouts=(RedisTimeoutError,),
             redact=Redactor({}, options.url),
         )
+        values = StoredValues(config, layout, layer_checksums=True)
+        super().__init__(config, layout, values=values, guard=guard, batch_bytes=_BATCH_BYTES)
+        self._ranges = LayerRanges(layout, values.header_len, layout.fingerprint)
+        if self.value_bytes > options.max_value_bytes:
+            raise ConfigError(
+                f"{config.where}.max_value_bytes: a stored chunk takes "
+                f"{format_size(self.value_bytes)} ({self.value_bytes} bytes), more than the "
+                f"server accepts per value ({format_size(self.options.max_value_bytes)}); use a "
+                f"smaller chunk_size, or raise the server's proto-max-bulk-len and this option"
+            )
+        self.namespace = base = f"{options.prefix}:{layout.fingerprint.hex()}"
+        """The first part of every key of this tier's layout."""
+        self._io = RedisRequests(base, self._ttl_ms(), self._ranges)
+        self._lru = self._io.lru
         self._num_entries = 0  # the recency set's size, as of the last request
-        self._in_flight = InFlight()  # `close` waits for them
-        self._full = FullEpisodes(self._guard, f"redis tier {self.name!r}")
-
-    @property
-    def io_counters(self) -> IOCounters:
-        """What the requests to the server went through: failures, timeouts, refusals."""
-        return self._guard.counters
-
-    def store_health(self) -> StoreHealth:
-        # docstring inherited
-        return health_of(self._guard.breaker, self._guard.counters)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -181,13 +157,6 @@ class RedisTier(Tier):
         if self._io.client is not None:
             await self._io.client.aclose()
 
-    @contextlib.contextmanager
-    def _running(self) -> Iterator[None]:
-        """Check that the tier is open; count the call in flight until it ends."""
-        self._ensure_open()
-        with self._in_flight.call():
-            yield
-
     @property
     def _redis(self) -> aioredis.Redis:
         return self._io.redis
@@ -219,32 +188,6 @@ class RedisTier(Tier):
             check_keys(keys)
             self._check_buffers(keys, dsts)
             return await self._read_batches(keys, dsts, self._get_some, self.layout.chunk_bytes)
-
-    async def _read_batches(
-        self,
-        keys: Sequence[ChunkKey],
-        dsts: Sequence[Buffer],
-        read: Callable[[Sequence[ChunkKey], Sequence[Buffer]], Awaitable[list[Verdict | None]]],
-        hit_bytes: int,
-        *,
-        tally: bool = True,
-    ) -> list[bool]:
-        """Read `keys` a pipeline's worth at a time with `read`; count, delete bad values."""
-        if not keys:
-            return []
-        if self._guard.refuses():
-            self.counters.misses += len(keys) if tally else 0
-            self.counters.unavailable += 1
-            return [False] * len(keys)
-        per_call = self._per_call
-        found = await gather_all(
-            read(keys[i : i + per_call], dsts[i : i + per_call])
-            for i in range(0, len(keys), per_call)
-        )
-        hits, bad = tally_reads(self.counters, keys, found, hit_bytes, tally=tally)
-        if bad:
-            await self._delete(bad)
-        return hits
 
     async def _get_some(
         self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer], *, touch: bool = True
@@ -363,14 +306,8 @@ class RedisTier(Tier):
         payload = np.ascontiguousarray(src).reshape(-1)
         return self._values.pack(key, payload.data)
 
-    async def delete(self, keys: Sequence[ChunkKey]) -> None:
+    async def _remove(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
-        with self._running():
-            check_keys(keys)
-            if keys:
-                await self._delete(keys)
-
-    async def _delete(self, keys: Sequence[ChunkKey]) -> None:
         self._ranges.forget(keys)
         try:
             self._num_entries = await self._guard.call(functools.partial(self._io.delete, keys))
