@@ -5,7 +5,9 @@ chunk of 256 tokens: 128 KiB of KV per token, 32 MiB per chunk, so 1 GiB is 32 c
 (8,192 tokens). `load` fills a preallocated destination (`out=`); the baseline is one
 `dst.copy_(src)` of the same bytes into the same destination. `store` runs at steady state:
 every repetition stores a new prompt into a full tier, so it evicts the previous one; its
-baseline is one `copy_` of the KV into a preallocated buffer.
+baseline is one `copy_` of the KV into a preallocated buffer. kvtiers copies on its
+`copy_threads` (default: the usable cores, at most 4), torch on its own threads; one row
+runs both on one thread (`copy_threads = 1`, `torch.set_num_threads(1)`).
 
 Run alone: `python -m benchmarks.bench_dram [--quick]`.
 """
@@ -20,6 +22,7 @@ import torch
 
 from benchmarks._common import GIB, MIB, Result, Target, amedian_pair, main
 from kvtiers import TieredCache
+from kvtiers._host_copies import default_copy_threads
 
 VOCAB = 128_256
 LAYOUT = {
@@ -82,18 +85,28 @@ async def _bench(total_bytes: int, repeats: int) -> list[Result]:
         await load()
         assert same_bits(dst, kv), "load returned other bytes than were stored"
         t_load, t_copy = await amedian_pair(load, lambda: dst.copy_(kv), repeats)
-        # NOTE: the same with one torch thread shows whether a gap is kvtiers' or torch's
-        # (a multi-threaded copy_ of a strided destination waits for its slowest thread).
+
+    # NOTE: both on one thread shows whether a gap is in the copies' parallelism or in
+    # kvtiers' own work (a multi-threaded copy_ of a strided destination waits for its
+    # slowest thread).
+    single = {**config, "copy_threads": 1}
+    async with TieredCache.from_config(single) as cache:
+        assert await cache.store(tokens, kv) == num_tokens
+
+        async def load1() -> None:
+            await cache.load(tokens, out=dst)
+
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            t_load1, t_copy1 = await amedian_pair(load, lambda: dst.copy_(kv), repeats)
+            t_load1, t_copy1 = await amedian_pair(load1, lambda: dst.copy_(kv), repeats)
         finally:
             torch.set_num_threads(threads)
 
     size = f"{total_bytes / GIB:g} GiB" if total_bytes >= GIB else f"{total_bytes // MIB} MiB"
     chunks = total_bytes // (BYTES_PER_TOKEN * CHUNK)
-    setting = f"{chunks} chunks of 32 MiB, {threads} torch threads"
+    copiers = default_copy_threads()
+    setting = f"{chunks} chunks of 32 MiB, {copiers} copy threads, {threads} torch threads"
     return [
         Result.of_rates(
             f"DRAM load {size} into out= vs torch copy_",
@@ -104,11 +117,11 @@ async def _bench(total_bytes: int, repeats: int) -> list[Result]:
             notes=f"{setting}; {t_load * 1e3:.0f} ms vs {t_copy * 1e3:.0f} ms",
         ),
         Result.of_rates(
-            f"DRAM load {size}, 1 torch thread vs torch copy_",
+            f"DRAM load {size}, 1 thread each vs torch copy_",
             total_bytes / t_load1 / GIB,
             total_bytes / t_copy1 / GIB,
             unit="GiB/s",
-            notes=f"torch.set_num_threads(1) for both; {t_load1 * 1e3:.0f} ms vs "
+            notes=f"copy_threads = 1, torch.set_num_threads(1); {t_load1 * 1e3:.0f} ms vs "
             f"{t_copy1 * 1e3:.0f} ms",
         ),
         Result.of_rates(

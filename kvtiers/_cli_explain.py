@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvtiers._host_copies import default_copy_threads
 from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, TierConfig, format_size, load_config
 from kvtiers.core.errors import ConfigError
@@ -113,7 +114,15 @@ def _layout_lines(config: CacheConfig) -> list[str]:
         f"write queue   {config.write_queue_chunks} chunks per write-through tier",
         "split loads   "
         + ("all lower tiers at once" if config.concurrent_reads else "one tier after another"),
+        f"host copies   {_copy_threads(config.copy_threads)}",
     ]
+
+
+def _copy_threads(threads: int) -> str:
+    if threads == 1:
+        return "on the calling thread alone"
+    auto = " (copy_threads = 0: the usable cores, at most 4)" if not threads else ""
+    return f"batches of 8 MiB and more on {threads or default_copy_threads()} threads{auto}"
 
 
 def _size_and_bytes(num_bytes: int) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtiers._host_copies import HostCopier, Pair
 from kvtiers._tensors import host_bytes
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.copy_engine import CopyEngine
@@ -74,13 +75,28 @@ class Source(ABC):
         return None
 
 
-class TensorSink(Sink):
-    """Deliver into a KV tensor `(num_layers, planes, tokens, ...)` on any device."""
+def _copy_all(copier: HostCopier | None, pairs: list[Pair]) -> None:
+    """Copy host `pairs` with `copier`, or on this thread alone without one."""
+    if copier is not None:
+        copier.copy(pairs)
+        return
+    for dst, src in pairs:
+        np.copyto(dst, src)
 
-    def __init__(self, layout: KVLayout, out: torch.Tensor) -> None:
+
+class TensorSink(Sink):
+    """Deliver into a KV tensor `(num_layers, planes, tokens, ...)` on any device.
+
+    Host copies go through `copier` (several threads for a large batch), if given.
+    """
+
+    def __init__(
+        self, layout: KVLayout, out: torch.Tensor, copier: HostCopier | None = None
+    ) -> None:
         self._layout = layout
         self._out = out
         self._out_bytes = host_bytes(out)
+        self._copier = copier
 
     def direct(self, idx: int) -> Buffer | None:
         # docstring inherited
@@ -92,13 +108,16 @@ class TensorSink(Sink):
     async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         size = self._layout.chunk_size
+        host: list[Pair] = []
         for idx, view in zip(idxs, views, strict=True):
             dst = self.direct(idx)
             if dst is not None and isinstance(view, np.ndarray):
-                # NOTE: one NumPy copy beats a parallel torch copy per chunk on the host.
-                np.copyto(dst, view.reshape(dst.shape))
+                # NOTE: NumPy copies, spread over threads by piece, beat a parallel torch
+                # copy per chunk on the host.
+                host.append((dst, view.reshape(dst.shape)))
             else:
                 self._out.narrow(2, idx * size, size).copy_(payload_tensor(self._layout, view))
+        _copy_all(self._copier, host)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
@@ -113,23 +132,31 @@ class TensorSink(Sink):
 
 
 class TensorSource(Source):
-    """Fill from a KV tensor `(num_layers, planes, tokens, ...)` on any device."""
+    """Fill from a KV tensor `(num_layers, planes, tokens, ...)` on any device.
 
-    def __init__(self, layout: KVLayout, kv: torch.Tensor) -> None:
+    Host copies go through `copier` (several threads for a large batch), if given.
+    """
+
+    def __init__(
+        self, layout: KVLayout, kv: torch.Tensor, copier: HostCopier | None = None
+    ) -> None:
         self._layout = layout
         self._kv = kv
         self._kv_bytes = host_bytes(kv)
+        self._copier = copier
 
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         size = self._layout.chunk_size
+        host: list[Pair] = []
         for idx, view in zip(idxs, views, strict=True):
             lo = idx * size
             if self._kv_bytes is not None and isinstance(view, np.ndarray):
                 src = self._kv_bytes[:, :, lo : lo + size]
-                np.copyto(view.reshape(src.shape), src)
+                host.append((view.reshape(src.shape), src))
             else:
                 payload_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
+        _copy_all(self._copier, host)
 
 
 Chunk = torch.Tensor | Buffer
@@ -144,13 +171,17 @@ class ChunkSink(Sink):
     """Deliver chunk `i` into `dsts[i]` (see `Chunk`).
 
     Host memory (a permuted view is fine when its last axis is contiguous) is filled by the
-    tiers directly; device tensors through one copy.
+    tiers directly; device tensors through one copy. Host copies go through `copier`
+    (several threads for a large batch), if given.
     """
 
-    def __init__(self, layout: KVLayout, dsts: Sequence[Chunk]) -> None:
+    def __init__(
+        self, layout: KVLayout, dsts: Sequence[Chunk], copier: HostCopier | None = None
+    ) -> None:
         self._layout = layout
         self._dsts = dsts
         self._bytes = [_chunk_bytes(dst) for dst in dsts]
+        self._copier = copier
 
     def direct(self, idx: int) -> Buffer | None:
         # docstring inherited
@@ -158,15 +189,17 @@ class ChunkSink(Sink):
 
     async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
+        host: list[Pair] = []
         for idx, view in zip(idxs, views, strict=True):
             dst = self._bytes[idx]
             if dst is not None:
                 src = view if isinstance(view, np.ndarray) else view.cpu().numpy()
-                np.copyto(dst, src.reshape(dst.shape))
+                host.append((dst, src.reshape(dst.shape)))
             else:
                 target = self._dsts[idx]
                 assert isinstance(target, torch.Tensor)
                 target.copy_(payload_tensor(self._layout, view))
+        _copy_all(self._copier, host)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
@@ -188,12 +221,15 @@ def _copy_layers(dst: Buffer, view: Buffer, layers: range, layout: KVLayout) -> 
 
 
 class ChunkSource(Source):
-    """Fill chunk `i` from `srcs[i]` (see `Chunk`)."""
+    """Fill chunk `i` from `srcs[i]` (see `Chunk`); host copies through `copier`, if given."""
 
-    def __init__(self, layout: KVLayout, srcs: Sequence[Chunk]) -> None:
+    def __init__(
+        self, layout: KVLayout, srcs: Sequence[Chunk], copier: HostCopier | None = None
+    ) -> None:
         self._layout = layout
         self._srcs = srcs
         self._bytes = [_chunk_bytes(src) for src in srcs]
+        self._copier = copier
 
     def direct(self, idx: int) -> Buffer | None:
         # docstring inherited
@@ -204,17 +240,19 @@ class ChunkSource(Source):
 
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
+        host: list[Pair] = []
         for idx, view in zip(idxs, views, strict=True):
             src = self._bytes[idx]
             if src is not None:
                 if isinstance(view, np.ndarray):
-                    np.copyto(view.reshape(src.shape), src)
+                    host.append((view.reshape(src.shape), src))
                 else:  # a device block: its bytes, flat
                     view.copy_(torch.from_numpy(np.ascontiguousarray(src)).view(-1))
             else:
                 source = self._srcs[idx]
                 assert isinstance(source, torch.Tensor)
                 payload_tensor(self._layout, view).copy_(source)
+        _copy_all(self._copier, host)
 
 
 class _Paged:

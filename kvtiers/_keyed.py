@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtiers._activity import Activity, tracked
 from kvtiers._endpoints import ChunkSink, ChunkSource
+from kvtiers._host_copies import HostCopier
 from kvtiers._movement import Mover
 from kvtiers._streaming import OnLayers, gather_layerwise
 from kvtiers._tally import CallTally
@@ -35,6 +36,7 @@ class KeyLevelAPI:
     _mover: Mover
     _tally: CallTally
     _activity: Activity
+    _copier: HostCopier
 
     if TYPE_CHECKING:  # provided by TieredCache
 
@@ -128,7 +130,7 @@ class KeyLevelAPI:
         keys = _check_keys(keys)
         _check_parent(parent)
         tensors = check_chunks(self.layout, dsts, len(keys), "dsts", writable=True)
-        sink = ChunkSink(self.layout, tensors)
+        sink = ChunkSink(self.layout, tensors, self._copier)
         if on_layers is not None:
             found = await gather_layerwise(self._mover, keys, sink, self.layout, on_layers)
         else:
@@ -158,7 +160,8 @@ class KeyLevelAPI:
         keys = _check_keys(keys)
         _check_parent(parent)
         tensors = check_chunks(self.layout, srcs, len(keys), "srcs")
-        new_chunks = await self._mover.store(keys, ChunkSource(self.layout, tensors)) if keys else 0
+        source = ChunkSource(self.layout, tensors, self._copier)
+        new_chunks = await self._mover.store(keys, source) if keys else 0
         if parent is not None and keys:
             self._index.attach(keys[0], parent)
         self._record_store(new_chunks, start)

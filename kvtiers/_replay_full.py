@@ -150,6 +150,7 @@ def sandbox_config(
         layout,
         write_queue_chunks=base.write_queue_chunks,
         concurrent_reads=base.concurrent_reads,
+        copy_threads=base.copy_threads,
     )
 
 

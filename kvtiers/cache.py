@@ -19,6 +19,7 @@ from kvtiers._endpoints import (
     TensorSink,
     TensorSource,
 )
+from kvtiers._host_copies import HostCopier, default_copy_threads
 from kvtiers._keyed import KeyLevelAPI, Salt
 from kvtiers._movement import Mover
 from kvtiers._observe import ObservedCache
@@ -97,6 +98,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         self._state = CacheState.UNOPENED
         self._stack = AsyncExitStack()
         self._engines: dict[torch.device, CopyEngine] = {}
+        self._copier = HostCopier(config.copy_threads or default_copy_threads())
         self._metrics: MetricsServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that opened it
         self._tally = CallTally()
@@ -176,6 +178,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
             raise CacheStateError(f"a cache can be opened once; this one is {self._state.name}")
         self._loop = asyncio.get_running_loop()
         try:
+            await self._stack.enter_async_context(self._copier)
             for slot in self._slots:
                 await self._stack.enter_async_context(slot.tier)
             group = await self._stack.enter_async_context(asyncio.TaskGroup())
@@ -328,7 +331,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
             out = torch.empty(self.layout.kv_shape(num_tokens), dtype=torch_dtype(self.layout))
         else:
             check_out(self.layout, out, num_tokens)
-        sink = TensorSink(self.layout, out)
+        sink = TensorSink(self.layout, out, self._copier)
         if on_layers is not None:
             loaded = await load_layerwise(self._mover, keys, sink, self.layout, on_layers)
         else:
@@ -362,7 +365,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         check_kv(self.layout, kv, len(arr))
         keys = self._hasher.keys_of_array(arr, salt)
         self._salts.stored(arr, self._hasher.root(salt))
-        source = TensorSource(self.layout, kv)
+        source = TensorSource(self.layout, kv, self._copier)
         new_chunks = await self._mover.store(keys, source) if keys else 0
         return self._record_store(new_chunks, start)
 

@@ -353,3 +353,24 @@ async def test_a_failing_tier_is_a_counted_miss_never_an_error(layout):
         assert await cache.lookup(list(range(64))) == 32
         assert same_bytes(await cache.load(list(range(64))), kv[:, :, :32])
         assert cache.stats().tiers[1].errors > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+async def test_large_host_copies_are_exact_on_any_number_of_threads(threads):
+    # 1 MiB chunks: a batch of 12 is past the size from which copies use several threads.
+    big = {"num_layers": 8, "num_kv_heads": 4, "head_size": 64, "chunk_size": 256}
+    layout = small_layout(**big)
+    config = {**make_config(dram_chunks=40, layout=big), "copy_threads": threads}
+    tokens = list(range(12 * 256))
+    kv = make_kv(layout, len(tokens)).transpose(3, 4).contiguous().transpose(3, 4)  # strided
+    out = torch.zeros(layout.kv_shape(len(tokens)), dtype=kv.dtype)
+    async with TieredCache.from_config(config) as cache:
+        assert await cache.store(tokens, kv) == len(tokens)
+        assert (await cache.load(tokens, out=out)).data_ptr() == out.data_ptr()
+        assert same_bytes(out, kv)
+        keys = cache.chunk_keys([f"page-{i}".encode() for i in range(12)])
+        chunks = [kv.narrow(2, i * 256, 256).contiguous() for i in range(12)]
+        assert await cache.put_chunks(keys, chunks) == [True] * 12
+        got = [torch.empty_like(chunk) for chunk in chunks]
+        assert await cache.get_chunks(keys, got) == [True] * 12
+        assert all(same_bytes(a, b) for a, b in zip(got, chunks, strict=True))

@@ -79,6 +79,7 @@ def test_explain_prints_layout_and_every_tier(tmp_path, capsys):
     assert "write       write_through" in out
     assert "of host memory" in out
     assert "of disk" in out
+    assert "host copies   batches of 8 MiB and more on " in out
     assert "WARNING" not in out
     assert not (tmp_path / "lmdb").exists(), "explain must open nothing"
 

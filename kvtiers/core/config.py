@@ -61,6 +61,7 @@ _COMMON_TIER_KEYS = frozenset({"kind", "name", "capacity", "eviction", "write_po
 
 _NEAR_MISS = 0.8  # difflib's similarity above which a key is taken for a misspelt one
 _MAX_KEY_SHOWN = 60  # characters of an unknown key that a message shows as it is
+_MAX_COPY_THREADS = 256  # threads copying one batch; more is a typo
 
 
 def parse_size(value: object, *, where: str) -> int:
@@ -212,6 +213,9 @@ class CacheConfig:
     concurrent_reads: bool = True
     """A load split between lower tiers asks them all at once; `False`, one after another
     (for a client on few cores next to a store that competes for them)."""
+    copy_threads: int = 0
+    """Threads that copy one large batch between host memory and a memory tier (the
+    calling thread included); 0: the usable cores, at most 4; 1: no extra thread."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", _numbered(self.tiers))
@@ -232,6 +236,7 @@ class CacheConfig:
             raise ConfigError(
                 f"concurrent_reads: expected true or false, got {describe(self.concurrent_reads)}"
             )
+        check_int("copy_threads", self.copy_threads, 0, _MAX_COPY_THREADS)
 
     def with_layout(self, layout: KVLayout) -> CacheConfig:
         """Return a copy of this config with `layout` set."""
@@ -295,7 +300,15 @@ def _printable_key(key: object) -> str:
 
 
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
-    keys = {"layout", "tiers", "write_queue_chunks", "events", "metrics", "concurrent_reads"}
+    keys = {
+        "layout",
+        "tiers",
+        "write_queue_chunks",
+        "events",
+        "metrics",
+        "concurrent_reads",
+        "copy_threads",
+    }
     unknown = sorted(map(_key, set(data) - keys))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key; expected {', '.join(sorted(keys))}")
@@ -328,6 +341,7 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
         events=data.get("events", 0),
         metrics=metrics,
         concurrent_reads=data.get("concurrent_reads", True),
+        copy_threads=data.get("copy_threads", 0),
     )
 
 

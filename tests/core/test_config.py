@@ -145,10 +145,12 @@ def test_load_from_dict() -> None:
             ],
             "write_queue_chunks": 64,
             "concurrent_reads": False,
+            "copy_threads": 3,
         }
     )
     assert isinstance(cfg, CacheConfig)
     assert cfg.concurrent_reads is False
+    assert cfg.copy_threads == 3
     assert cfg.layout == KVLayout(**LAYOUT, dtype="float16", chunk_size=128)
     assert cfg.write_queue_chunks == 64
     dram, lmdb = cfg.tiers
@@ -168,6 +170,7 @@ def test_defaults_and_no_layout() -> None:
     assert cfg.layout is None
     assert cfg.write_queue_chunks == 256
     assert cfg.concurrent_reads is True
+    assert cfg.copy_threads == 0  # the usable cores, at most 4
     assert cfg.tiers[0].capacity_bytes == 1024
 
 
@@ -252,6 +255,10 @@ def test_input_dict_is_not_modified() -> None:
         (config(write_queue_chunks="8"), "write_queue_chunks"),
         (config(concurrent_reads="no"), "concurrent_reads"),
         (config(concurrent_reads=0), "concurrent_reads"),
+        (config(copy_threads=-1), "copy_threads"),
+        (config(copy_threads=257), "copy_threads"),
+        (config(copy_threads=2.0), "copy_threads"),
+        (config(copy_threads=True), "copy_threads"),
         (config(layout="m"), "layout"),
         (config(layout=None), "layout"),
         (config(layout=dict(LAYOUT, num_layers=0)), "layout.num_layers"),

@@ -448,6 +448,7 @@ _VALID = {
     "events": 4,
     "metrics": {"port": 0, "host": "127.0.0.1"},
     "concurrent_reads": False,
+    "copy_threads": 2,
 }
 
 
