@@ -15,6 +15,10 @@ conditions: a `copy_` of the same 48 MiB between two reused tensors (for the loa
 empty coroutine's round trip to the loop (for the lookup). Each pair is timed back to back
 and after a pause, alternating. One more row per chunk size times `locate` (the lookup the
 vLLM scheduler makes, which also names each chunk's tier) against `lookup`, back to back.
+Last, a load of the same prompt from a DRAM tier (256-token chunks), copied out on the
+default `copy_threads` against a cache copying on its loop thread alone (`copy_threads =
+1`), back to back and after a pause, alternating: whether the copy threads pay off when
+they must first wake up.
 
 Run alone: `python -m benchmarks.bench_idle [--quick]`.
 """
@@ -31,6 +35,7 @@ import torch
 
 from benchmarks._common import Result, main
 from kvtiers import TieredCache
+from kvtiers._host_copies import default_copy_threads
 from kvtiers.integrations._runtime import LoopThread
 
 LAYOUT: dict[str, Any] = {
@@ -139,6 +144,51 @@ def _measure(
     return results
 
 
+def _dram_rows(pauses: tuple[float, ...], repeats: int) -> list[Result]:
+    loop = LoopThread("bench-idle-dram")
+    caches: list[TieredCache] = []
+    try:
+        for threads in (0, 1):
+            config = {
+                "layout": {**LAYOUT, "chunk_size": 256},
+                "tiers": [{"kind": "dram", "capacity": "128MiB"}],
+                "copy_threads": threads,
+            }
+            caches.append(loop.run(TieredCache.from_config(config).__aenter__()))
+        tokens = list(range(NUM_TOKENS))
+        kv = torch.randn(caches[0].layout.kv_shape(NUM_TOKENS)).to(torch.bfloat16)
+        out = torch.empty_like(kv)
+        mib = kv.numel() * kv.element_size() / 2**20
+        for cache in caches:
+            loop.run(cache.store(tokens, kv))
+
+        def loader(cache: TieredCache) -> Callable[[], None]:
+            def load() -> None:
+                got = loop.run(cache.load(tokens, out=out))
+                assert got.shape[2] == NUM_TOKENS, "the load came up short"
+
+            return load
+
+        threads = default_copy_threads()
+        results = []
+        for pause in pauses:
+            when = f"after {pause:g} s idle" if pause else "back to back"
+            t_many, t_one = _pair(loader(caches[0]), loader(caches[1]), pause, repeats)
+            results.append(
+                Result.of_times(
+                    f"DRAM load, {mib:.0f} MiB, {threads} copy threads vs 1, {when}",
+                    t_many,
+                    t_one,
+                    notes="baseline: the same load with copy_threads = 1, same pauses",
+                )
+            )
+        return results
+    finally:
+        for cache in caches:
+            loop.run(cache.close())
+        loop.stop()
+
+
 def run(quick: bool) -> list[Result]:
     """Run the benchmark; `quick` shortens the pause and the repetitions."""
     pauses = (0.0, 0.3) if quick else (0.0, 1.0)
@@ -146,6 +196,7 @@ def run(quick: bool) -> list[Result]:
     results = []
     for chunk in (256, 32):
         results.extend(_chunk_rows(chunk, pauses, repeats))
+    results.extend(_dram_rows(pauses, repeats))
     return results
 
 
