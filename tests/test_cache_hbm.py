@@ -61,3 +61,45 @@ async def test_hbm_paged_round_trip(tmp_path, device):
         await cache.flush()  # write-through to LMDB holds pins while it copies
         assert cache.pin_count() == 0
     assert BLOCK == 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_promotions_into_hbm_reuse_one_host_stage(tmp_path, layout, device):
+    # Each load promotes a prompt from LMDB into HBM blocks (evicting the other one), through
+    # host memory: a reused stage, not fresh memory whose pages fault in on every load.
+    prompts = [[c * 1000 + t for t in range(48)] for c in range(2)]
+    kvs = [make_kv(layout, 48, seed=c) for c in range(2)]
+    async with TieredCache.from_config(_hbm_config(tmp_path, device)) as cache:
+        for tokens, kv in zip(prompts, kvs, strict=True):
+            assert await cache.store(tokens, kv) == 48
+        await cache.flush()
+        stages = cache._mover._stages
+        taken: list[int] = []
+        take = stages.take
+
+        def recording(count: int):
+            context = take(count)
+            taken.append(0)
+            return _Recorded(context, taken)
+
+        stages.take = recording  # type: ignore[method-assign]
+        for i in range(4):
+            tokens, kv = prompts[i % 2], kvs[i % 2]
+            assert same_bytes(await cache.load(tokens), kv)
+        assert cache.stats().tiers[0].promotions >= 4
+        assert len(taken) >= 4 and len(set(taken)) == 1  # one buffer, every time
+
+
+class _Recorded:
+    """Wrap a stage's context manager; record the address of the buffer it yields."""
+
+    def __init__(self, context, taken: list[int]) -> None:
+        self._context, self._taken = context, taken
+
+    def __enter__(self):
+        buf = self._context.__enter__()
+        self._taken[-1] = buf.__array_interface__["data"][0]
+        return buf
+
+    def __exit__(self, *exc) -> None:
+        self._context.__exit__(*exc)
