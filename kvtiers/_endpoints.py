@@ -75,24 +75,13 @@ class Source(ABC):
         return None
 
 
-def _copy_all(copier: HostCopier | None, pairs: list[Pair]) -> None:
-    """Copy host `pairs` with `copier`, or on this thread alone without one."""
-    if copier is not None:
-        copier.copy(pairs)
-        return
-    for dst, src in pairs:
-        np.copyto(dst, src)
-
-
 class TensorSink(Sink):
     """Deliver into a KV tensor `(num_layers, planes, tokens, ...)` on any device.
 
-    Host copies go through `copier` (several threads for a large batch), if given.
+    Host copies go through `copier` (several threads for a large batch).
     """
 
-    def __init__(
-        self, layout: KVLayout, out: torch.Tensor, copier: HostCopier | None = None
-    ) -> None:
+    def __init__(self, layout: KVLayout, out: torch.Tensor, copier: HostCopier) -> None:
         self._layout = layout
         self._out = out
         self._out_bytes = host_bytes(out)
@@ -117,7 +106,7 @@ class TensorSink(Sink):
                 host.append((dst, view.reshape(dst.shape)))
             else:
                 self._out.narrow(2, idx * size, size).copy_(payload_tensor(self._layout, view))
-        _copy_all(self._copier, host)
+        self._copier.copy(host)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
@@ -134,12 +123,10 @@ class TensorSink(Sink):
 class TensorSource(Source):
     """Fill from a KV tensor `(num_layers, planes, tokens, ...)` on any device.
 
-    Host copies go through `copier` (several threads for a large batch), if given.
+    Host copies go through `copier` (several threads for a large batch).
     """
 
-    def __init__(
-        self, layout: KVLayout, kv: torch.Tensor, copier: HostCopier | None = None
-    ) -> None:
+    def __init__(self, layout: KVLayout, kv: torch.Tensor, copier: HostCopier) -> None:
         self._layout = layout
         self._kv = kv
         self._kv_bytes = host_bytes(kv)
@@ -156,7 +143,7 @@ class TensorSource(Source):
                 host.append((view.reshape(src.shape), src))
             else:
                 payload_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
-        _copy_all(self._copier, host)
+        self._copier.copy(host)
 
 
 Chunk = torch.Tensor | Buffer
@@ -172,12 +159,10 @@ class ChunkSink(Sink):
 
     Host memory (a permuted view is fine when its last axis is contiguous) is filled by the
     tiers directly; device tensors through one copy. Host copies go through `copier`
-    (several threads for a large batch), if given.
+    (several threads for a large batch).
     """
 
-    def __init__(
-        self, layout: KVLayout, dsts: Sequence[Chunk], copier: HostCopier | None = None
-    ) -> None:
+    def __init__(self, layout: KVLayout, dsts: Sequence[Chunk], copier: HostCopier) -> None:
         self._layout = layout
         self._dsts = dsts
         self._bytes = [_chunk_bytes(dst) for dst in dsts]
@@ -199,7 +184,7 @@ class ChunkSink(Sink):
                 target = self._dsts[idx]
                 assert isinstance(target, torch.Tensor)
                 target.copy_(payload_tensor(self._layout, view))
-        _copy_all(self._copier, host)
+        self._copier.copy(host)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
@@ -221,11 +206,9 @@ def _copy_layers(dst: Buffer, view: Buffer, layers: range, layout: KVLayout) -> 
 
 
 class ChunkSource(Source):
-    """Fill chunk `i` from `srcs[i]` (see `Chunk`); host copies through `copier`, if given."""
+    """Fill chunk `i` from `srcs[i]` (see `Chunk`); host copies through `copier`."""
 
-    def __init__(
-        self, layout: KVLayout, srcs: Sequence[Chunk], copier: HostCopier | None = None
-    ) -> None:
+    def __init__(self, layout: KVLayout, srcs: Sequence[Chunk], copier: HostCopier) -> None:
         self._layout = layout
         self._srcs = srcs
         self._bytes = [_chunk_bytes(src) for src in srcs]
@@ -252,7 +235,7 @@ class ChunkSource(Source):
                 source = self._srcs[idx]
                 assert isinstance(source, torch.Tensor)
                 payload_tensor(self._layout, view).copy_(source)
-        _copy_all(self._copier, host)
+        self._copier.copy(host)
 
 
 class _Paged:
