@@ -88,8 +88,11 @@ class HostCopier:
         """Copy each source into its destination; return once every byte is copied.
 
         Raises:
-            ValueError: a destination and its source differ in shape (NumPy's error).
+            ValueError: a destination and its source differ in shape (nothing is copied).
         """
+        for dst, src in pairs:
+            if dst.shape != src.shape:
+                raise ValueError(f"cannot copy an array of shape {src.shape} into {dst.shape}")
         pool = self._pool
         total = sum(dst.nbytes for dst, _ in pairs)
         if pool is None or total < self._min_bytes:
@@ -147,11 +150,9 @@ class _Batch:
 
 
 def _pieces(pairs: Sequence[Pair], piece_bytes: int) -> list[Pair]:
-    """Cut each pair along its first axis into parts of about `piece_bytes`."""
+    """Cut each pair (of one shape) along its first axis into parts of about `piece_bytes`."""
     out: list[Pair] = []
     for dst, src in pairs:
-        if dst.shape != src.shape:
-            raise ValueError(f"cannot copy an array of shape {src.shape} into {dst.shape}")
         rows = dst.shape[0] if dst.ndim else 1
         parts = min(rows, math.ceil(dst.nbytes / piece_bytes)) if dst.ndim else 1
         if parts <= 1:

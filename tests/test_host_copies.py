@@ -61,13 +61,15 @@ async def test_one_thread_or_a_closed_copier_copies_alone() -> None:
         assert np.array_equal(dst, src)
 
 
-async def test_a_shape_mismatch_raises_before_any_copy() -> None:
+@pytest.mark.parametrize("min_bytes", [0, 2**30], ids=["threads", "alone"])
+async def test_a_shape_mismatch_raises_before_any_copy(min_bytes: int) -> None:
+    good = np.zeros((64, 1024), dtype=np.uint8)
     dst = np.zeros((64, 1024), dtype=np.uint8)
-    src = np.ones((32, 2048), dtype=np.uint8)  # same bytes, another shape
-    async with HostCopier(2, min_bytes=0) as copier:
+    src = np.ones((1, 1024), dtype=np.uint8)  # NumPy alone would broadcast it
+    async with HostCopier(2, min_bytes=min_bytes) as copier:
         with pytest.raises(ValueError, match="shape"):
-            copier.copy([(dst, src)])
-    assert not dst.any()
+            copier.copy([(good, np.ones_like(good)), (dst, src)])
+    assert not good.any() and not dst.any()
 
 
 async def test_a_failing_piece_raises_after_the_pieces_taken_are_done() -> None:
