@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvtiers._host_copies import default_copy_threads
+from kvtiers._host_copies import MIN_PARALLEL_BYTES, default_copy_threads
 from kvtiers.cache import TieredCache
 from kvtiers.core.config import CacheConfig, TierConfig, format_size, load_config
 from kvtiers.core.errors import ConfigError
@@ -122,7 +122,8 @@ def _copy_threads(threads: int) -> str:
     if threads == 1:
         return "on the calling thread alone"
     auto = " (copy_threads = 0: the usable cores, at most 4)" if not threads else ""
-    return f"batches of 8 MiB and more on {threads or default_copy_threads()} threads{auto}"
+    size = f"{MIN_PARALLEL_BYTES // 2**20} MiB"
+    return f"batches of {size} and more on {threads or default_copy_threads()} threads{auto}"
 
 
 def _size_and_bytes(num_bytes: int) -> str:

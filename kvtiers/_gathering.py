@@ -8,7 +8,6 @@ lower-tier hits are promoted into the top memory tier, and a layer-wise load
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -218,13 +217,10 @@ class Gatherer(WriteQueues):
         host = [v for v in views if isinstance(v, np.ndarray)]
         if len(host) == len(views):
             return await self._read(slot, keys, host, sink, idxs or [])
-        # NOTE: a reused stage, where one holds the batch: a fresh one faults in its pages
-        # on every load (a 36 MiB promotion into HBM took 12-270 ms instead of 12-15).
-        with contextlib.ExitStack() as stack:
-            if len(keys) <= self._stages.rows:
-                stage = stack.enter_context(self._stages.take(len(keys)))
-            else:  # one call to the tier all the same: a load waits for one round of it
-                stage = np.empty((len(keys), self._layout.chunk_bytes), dtype=np.uint8)
+        # NOTE: a reused stage: a fresh one faults in its pages on every load (a 36 MiB
+        # promotion into HBM took 12-270 ms instead of 12-15). One call to the tier all the
+        # same, however large the batch: a load waits for one round of it.
+        with self._stages.take(len(keys)) as stage:
             found = await self._call(slot, "get", slot.tier.get(keys, list(stage)), default)
             for row, view, flag in zip(stage, views, found, strict=True):
                 if flag and isinstance(view, torch.Tensor):

@@ -24,10 +24,11 @@ from types import TracebackType
 
 import numpy as np
 
-__all__ = ["HostCopier", "default_copy_threads"]
+__all__ = ["MIN_PARALLEL_BYTES", "HostCopier", "default_copy_threads"]
 
 _PIECE_BYTES = 2 * 2**20  # a piece of a batch: small, so the last one taken ends soon
-_MIN_PARALLEL_BYTES = 8 * 2**20  # smaller batches are copied by the calling thread alone
+MIN_PARALLEL_BYTES = 8 * 2**20
+"""Batches smaller than this are copied by the calling thread alone."""
 _MAX_AUTO_THREADS = 4  # a few threads reach the memory's bandwidth
 
 Pair = tuple[np.ndarray, np.ndarray]
@@ -59,7 +60,7 @@ class HostCopier:
         self,
         threads: int,
         *,
-        min_bytes: int = _MIN_PARALLEL_BYTES,
+        min_bytes: int = MIN_PARALLEL_BYTES,
         piece_bytes: int = _PIECE_BYTES,
     ) -> None:
         self.threads = threads
@@ -154,7 +155,7 @@ def _pieces(pairs: Sequence[Pair], piece_bytes: int) -> list[Pair]:
     out: list[Pair] = []
     for dst, src in pairs:
         rows = dst.shape[0] if dst.ndim else 1
-        parts = min(rows, math.ceil(dst.nbytes / piece_bytes)) if dst.ndim else 1
+        parts = min(rows, math.ceil(dst.nbytes / piece_bytes))
         if parts <= 1:
             out.append((dst, src))
             continue

@@ -320,7 +320,14 @@ class StagePool:
 
     @contextlib.contextmanager
     def take(self, count: int) -> Iterator[npt.NDArray[np.uint8]]:
-        """Yield a `(count, chunk_bytes)` buffer; `count` must not exceed `rows`."""
+        """Yield a `(count, chunk_bytes)` buffer.
+
+        Up to `rows` chunks it is one of the kept buffers; a larger one is fresh, and
+        dropped after use.
+        """
+        if count > self.rows:
+            yield np.empty((count, self.chunk_bytes), dtype=np.uint8)
+            return
         buf = self._free.pop() if self._free else None
         if buf is None:
             buf = np.empty((self.rows, self.chunk_bytes), dtype=np.uint8)
