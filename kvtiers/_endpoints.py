@@ -7,9 +7,9 @@ task is cancelled meanwhile, so no block is reused under a copy in flight).
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,14 +18,16 @@ import torch
 from kvtiers._host_copies import HostCopier, Pair
 from kvtiers._tensors import host_bytes
 from kvtiers.core.layout import KVLayout
+from kvtiers.gpu._streams import until_done
 from kvtiers.gpu.copy_engine import CopyEngine
-from kvtiers.gpu.handle import CopyHandle
-from kvtiers.gpu.paged import PagedKV, payload_tensor
+from kvtiers.gpu.hbm import HBMTier
+from kvtiers.gpu.paged import PagedKV, host_tensor, payload_tensor
 from kvtiers.tiers._layers import layer_pieces, write_layers
 from kvtiers.tiers.base import Buffer
 
 __all__ = [
     "Chunk",
+    "Copies",
     "ChunkSink",
     "ChunkSource",
     "PagedSink",
@@ -39,6 +41,28 @@ __all__ = [
 
 View = Buffer | torch.Tensor
 """A tier block's bytes: a host NumPy view (DRAM) or a device tensor (HBM)."""
+TensorPair = tuple[torch.Tensor, torch.Tensor]
+"""A `(dst, src)` copy with one side an HBM block view."""
+
+
+@dataclass(frozen=True, slots=True)
+class Copies:
+    """How sinks and sources copy: host bytes on the copy threads, HBM blocks on its stream."""
+
+    host: HostCopier
+    """Copies between host buffers (several threads for a large batch)."""
+    hbm: HBMTier | None
+    """The top tier when it is an HBM tier: the only tier whose block views are tensors."""
+
+    async def blocks(self, pairs: list[TensorPair]) -> None:
+        """Copy `(dst, src)` pairs, one side an HBM block view, in one batch.
+
+        See `HBMTier.copy_views`.
+        """
+        if pairs:
+            # NOTE: tensor views come from the HBM tier only, so it is there.
+            assert self.hbm is not None
+            await self.hbm.copy_views(pairs)
 
 
 class Sink(ABC):
@@ -78,14 +102,15 @@ class Source(ABC):
 class TensorSink(Sink):
     """Deliver into a KV tensor `(num_layers, planes, tokens, ...)` on any device.
 
-    Host copies go through `copier` (several threads for a large batch).
+    Host copies go through `copies.host` (several threads for a large batch), copies from
+    HBM blocks through `copies.blocks` (one batch on the HBM tier's stream).
     """
 
-    def __init__(self, layout: KVLayout, out: torch.Tensor, copier: HostCopier) -> None:
+    def __init__(self, layout: KVLayout, out: torch.Tensor, copies: Copies) -> None:
         self._layout = layout
         self._out = out
         self._out_bytes = host_bytes(out)
-        self._copier = copier
+        self._copies = copies
 
     def direct(self, idx: int) -> Buffer | None:
         # docstring inherited
@@ -98,18 +123,25 @@ class TensorSink(Sink):
         # docstring inherited
         size = self._layout.chunk_size
         host: list[Pair] = []
+        device: list[TensorPair] = []
         for idx, view in zip(idxs, views, strict=True):
             dst = self.direct(idx)
             if dst is not None and isinstance(view, np.ndarray):
                 # NOTE: NumPy copies, spread over threads by piece, beat a parallel torch
                 # copy per chunk on the host.
                 host.append((dst, view.reshape(dst.shape)))
+                continue
+            pair = (self._out.narrow(2, idx * size, size), payload_tensor(self._layout, view))
+            if isinstance(view, torch.Tensor):
+                device.append(pair)
             else:
-                self._out.narrow(2, idx * size, size).copy_(payload_tensor(self._layout, view))
-        self._copier.copy(host)
+                pair[0].copy_(pair[1])
+        self._copies.host.copy(host)
+        await self._copies.blocks(device)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
+        # NOTE: waves come from tiers that read into host buffers, never from HBM blocks.
         size, part = self._layout.chunk_size, slice(layers.start, layers.stop)
         for idx, view in zip(idxs, views, strict=True):
             dst = self.direct(idx)
@@ -123,27 +155,33 @@ class TensorSink(Sink):
 class TensorSource(Source):
     """Fill from a KV tensor `(num_layers, planes, tokens, ...)` on any device.
 
-    Host copies go through `copier` (several threads for a large batch).
+    Host copies go through `copies.host`, copies into HBM blocks through `copies.blocks`.
     """
 
-    def __init__(self, layout: KVLayout, kv: torch.Tensor, copier: HostCopier) -> None:
+    def __init__(self, layout: KVLayout, kv: torch.Tensor, copies: Copies) -> None:
         self._layout = layout
         self._kv = kv
         self._kv_bytes = host_bytes(kv)
-        self._copier = copier
+        self._copies = copies
 
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         size = self._layout.chunk_size
         host: list[Pair] = []
+        device: list[TensorPair] = []
         for idx, view in zip(idxs, views, strict=True):
             lo = idx * size
             if self._kv_bytes is not None and isinstance(view, np.ndarray):
                 src = self._kv_bytes[:, :, lo : lo + size]
                 host.append((view.reshape(src.shape), src))
+                continue
+            pair = (payload_tensor(self._layout, view), self._kv.narrow(2, lo, size))
+            if isinstance(view, torch.Tensor):
+                device.append(pair)
             else:
-                payload_tensor(self._layout, view).copy_(self._kv.narrow(2, lo, size))
-        self._copier.copy(host)
+                pair[0].copy_(pair[1])
+        self._copies.host.copy(host)
+        await self._copies.blocks(device)
 
 
 Chunk = torch.Tensor | Buffer
@@ -158,15 +196,15 @@ class ChunkSink(Sink):
     """Deliver chunk `i` into `dsts[i]` (see `Chunk`).
 
     Host memory (a permuted view is fine when its last axis is contiguous) is filled by the
-    tiers directly; device tensors through one copy. Host copies go through `copier`
-    (several threads for a large batch).
+    tiers directly; device tensors through one copy. Host copies go through `copies.host`
+    (several threads for a large batch), copies from HBM blocks through `copies.blocks`.
     """
 
-    def __init__(self, layout: KVLayout, dsts: Sequence[Chunk], copier: HostCopier) -> None:
+    def __init__(self, layout: KVLayout, dsts: Sequence[Chunk], copies: Copies) -> None:
         self._layout = layout
         self._dsts = dsts
         self._bytes = [_chunk_bytes(dst) for dst in dsts]
-        self._copier = copier
+        self._copies = copies
 
     def direct(self, idx: int) -> Buffer | None:
         # docstring inherited
@@ -175,16 +213,25 @@ class ChunkSink(Sink):
     async def deliver(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         host: list[Pair] = []
+        device: list[TensorPair] = []
         for idx, view in zip(idxs, views, strict=True):
             dst = self._bytes[idx]
-            if dst is not None:
-                src = view if isinstance(view, np.ndarray) else view.cpu().numpy()
-                host.append((dst, src.reshape(dst.shape)))
-            else:
+            if dst is None:  # the caller's device tensor
                 target = self._dsts[idx]
                 assert isinstance(target, torch.Tensor)
-                target.copy_(payload_tensor(self._layout, view))
-        self._copier.copy(host)
+                pair = (target, payload_tensor(self._layout, view))
+                if isinstance(view, torch.Tensor):
+                    device.append(pair)
+                else:
+                    target.copy_(pair[1])
+            elif isinstance(view, np.ndarray):
+                host.append((dst, view.reshape(dst.shape)))
+            elif (host_dst := host_tensor(dst)) is not None:  # an HBM block into host bytes
+                device.append((host_dst, view.view(host_dst.shape)))
+            else:  # bytes torch cannot view (negative strides)
+                host.append((dst, view.cpu().numpy().reshape(dst.shape)))
+        self._copies.host.copy(host)
+        await self._copies.blocks(device)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
@@ -206,13 +253,16 @@ def _copy_layers(dst: Buffer, view: Buffer, layers: range, layout: KVLayout) -> 
 
 
 class ChunkSource(Source):
-    """Fill chunk `i` from `srcs[i]` (see `Chunk`); host copies through `copier`."""
+    """Fill chunk `i` from `srcs[i]` (see `Chunk`).
 
-    def __init__(self, layout: KVLayout, srcs: Sequence[Chunk], copier: HostCopier) -> None:
+    Host copies go through `copies.host`, copies into HBM blocks through `copies.blocks`.
+    """
+
+    def __init__(self, layout: KVLayout, srcs: Sequence[Chunk], copies: Copies) -> None:
         self._layout = layout
         self._srcs = srcs
         self._bytes = [_chunk_bytes(src) for src in srcs]
-        self._copier = copier
+        self._copies = copies
 
     def direct(self, idx: int) -> Buffer | None:
         # docstring inherited
@@ -224,18 +274,26 @@ class ChunkSource(Source):
     async def fill(self, idxs: list[int], views: Sequence[View]) -> None:
         # docstring inherited
         host: list[Pair] = []
+        device: list[TensorPair] = []
         for idx, view in zip(idxs, views, strict=True):
             src = self._bytes[idx]
-            if src is not None:
-                if isinstance(view, np.ndarray):
-                    host.append((view.reshape(src.shape), src))
-                else:  # a device block: its bytes, flat
-                    view.copy_(torch.from_numpy(np.ascontiguousarray(src)).view(-1))
-            else:
+            if src is None:  # the caller's device tensor
                 source = self._srcs[idx]
                 assert isinstance(source, torch.Tensor)
-                payload_tensor(self._layout, view).copy_(source)
-        self._copier.copy(host)
+                pair = (payload_tensor(self._layout, view), source)
+                if isinstance(view, torch.Tensor):
+                    device.append(pair)
+                else:
+                    pair[0].copy_(source)
+            elif isinstance(view, np.ndarray):
+                host.append((view.reshape(src.shape), src))
+            else:  # host bytes into an HBM block
+                host_src = host_tensor(src)
+                if host_src is None:  # bytes torch cannot view (negative strides)
+                    host_src = torch.from_numpy(np.ascontiguousarray(src))
+                device.append((view.view(host_src.shape), host_src))
+        self._copies.host.copy(host)
+        await self._copies.blocks(device)
 
 
 class _Paged:
@@ -257,7 +315,8 @@ class PagedSink(_Paged, Sink):
         # docstring inherited
         if idxs:
             srcs = [payload_tensor(self._layout, v) for v in views]
-            await _until_done(self._engine.scatter(self._paged, self._table, idxs, srcs))
+            handle = self._engine.scatter(self._paged, self._table, idxs, srcs)
+            await until_done(handle.wait())
 
 
 class PagedSource(_Paged, Source):
@@ -267,24 +326,5 @@ class PagedSource(_Paged, Source):
         # docstring inherited
         if idxs:
             dsts = [payload_tensor(self._layout, v) for v in views]
-            await _until_done(self._engine.gather(self._paged, self._table, idxs, dsts))
-
-
-async def _until_done(handle: CopyHandle) -> None:
-    """Await a copy; if cancelled meanwhile, still wait for it before re-raising.
-
-    The caller's pins and reservations are released when this returns, so a block must
-    not be given back while a device copy still reads or writes it.
-    """
-    # NOTE: a short-lived waiter task, owned here: shield keeps the copy's completion
-    # observable after our own await is cancelled.
-    waiter = asyncio.ensure_future(handle.wait())
-    cancelled = False
-    while not waiter.done():
-        try:
-            await asyncio.shield(waiter)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    waiter.result()
+            handle = self._engine.gather(self._paged, self._table, idxs, dsts)
+            await until_done(handle.wait())

@@ -11,8 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvtiers._activity import Activity, tracked
-from kvtiers._endpoints import ChunkSink, ChunkSource
-from kvtiers._host_copies import HostCopier
+from kvtiers._endpoints import ChunkSink, ChunkSource, Copies
 from kvtiers._movement import Mover
 from kvtiers._streaming import OnLayers, gather_layerwise
 from kvtiers._tally import CallTally
@@ -36,7 +35,7 @@ class KeyLevelAPI:
     _mover: Mover
     _tally: CallTally
     _activity: Activity
-    _copier: HostCopier
+    _copies: Copies
 
     if TYPE_CHECKING:  # provided by TieredCache
 
@@ -130,7 +129,7 @@ class KeyLevelAPI:
         keys = _check_keys(keys)
         _check_parent(parent)
         tensors = check_chunks(self.layout, dsts, len(keys), "dsts", writable=True)
-        sink = ChunkSink(self.layout, tensors, self._copier)
+        sink = ChunkSink(self.layout, tensors, self._copies)
         if on_layers is not None:
             found = await gather_layerwise(self._mover, keys, sink, self.layout, on_layers)
         else:
@@ -160,7 +159,7 @@ class KeyLevelAPI:
         keys = _check_keys(keys)
         _check_parent(parent)
         tensors = check_chunks(self.layout, srcs, len(keys), "srcs")
-        source = ChunkSource(self.layout, tensors, self._copier)
+        source = ChunkSource(self.layout, tensors, self._copies)
         new_chunks = await self._mover.store(keys, source) if keys else 0
         if parent is not None and keys:
             self._index.attach(keys[0], parent)

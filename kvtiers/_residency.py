@@ -34,8 +34,10 @@ from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.eviction.base import EvictionPolicy
+from kvtiers.gpu.hbm import HBMTier
 from kvtiers.tiers.base import Buffer, Tier
 from kvtiers.tiers.blocks import BlockTier
+from kvtiers.tiers.dram import MemoryTier
 
 __all__ = ["Residency", "Slot", "StagePool", "View"]
 
@@ -102,6 +104,7 @@ class Residency:
         self._queue_chunks = queue_chunks
         top = slots[0].tier
         self._memtop: BlockTier[Any] | None = top if isinstance(top, BlockTier) else None
+        self._hbm = top if isinstance(top, HBMTier) else None  # the only tier of tensor views
         self._shared = [s for s in slots if s.tier.shared]
         # Index bits of tiers whose residency the index knows exactly (the cache evicts them).
         self._local_bits = sum(1 << s.idx for s in slots if not s.tier.shared)
@@ -140,14 +143,22 @@ class Residency:
     async def _put(self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]) -> list[bool]:
         """Put chunks into a tier, first making room when the cache evicts for it.
 
-        Device views (HBM blocks) are copied to host memory first: tiers take host buffers.
+        Views are host buffers, or all HBM blocks (demotions and write-through copies from
+        an HBM tier on top), which `_put_blocks` moves.
         """
         if not keys:
             return []
-        srcs = [v.cpu().numpy() if isinstance(v, torch.Tensor) else v for v in views]
         if isinstance(slot.tier, BlockTier):
-            await self._make_room(slot, len(keys), protect=set(keys))
-        flags = await self._call(slot, "put", slot.tier.put(keys, srcs), [False] * len(keys))
+            # NOTE: room for the chunks it lacks only: the cache's index knows a block tier's
+            # residency exactly, and a demotion often finds its chunks there already.
+            bit = 1 << slot.idx
+            new = sum(1 for key in keys if not self._index.tiers_of(key) & bit)
+            await self._make_room(slot, new, protect=set(keys))
+        if isinstance(views[0], torch.Tensor):
+            flags = await self._put_blocks(slot, keys, cast(list[torch.Tensor], views))
+        else:
+            srcs = cast(Sequence[Buffer], views)
+            flags = await self._call(slot, "put", slot.tier.put(keys, srcs), [False] * len(keys))
         if slot.tier.manages_eviction:
             self._reap_slot(slot)
         if slot.policy is not None:
@@ -155,6 +166,53 @@ class Residency:
                 if flag:
                     slot.policy.insert(key)
         return flags
+
+    async def _put_blocks(
+        self, slot: Slot, keys: list[ChunkKey], blocks: list[torch.Tensor]
+    ) -> list[bool]:
+        """Put HBM blocks into a lower tier, in one batch of copies on the HBM tier's stream.
+
+        A host block tier (DRAM) gets them straight into blocks it reserves: one copy (by
+        DMA, as its memory is pinned when CUDA is present). Other tiers take host buffers,
+        so the blocks go through a reused stage first.
+        """
+        tier, default = slot.tier, [False] * len(keys)
+        if not isinstance(tier, MemoryTier):
+            with self._stages.take(len(keys)) as stage:
+                rows = list(stage)
+                pairs = [(torch.from_numpy(row), b) for row, b in zip(rows, blocks, strict=True)]
+                if not await self._copy_blocks(pairs, "get"):
+                    return default
+                return await self._call(slot, "put", tier.put(keys, rows), default)
+        start = time.perf_counter()
+        stored = await tier.contains(keys)
+        todo = [i for i, held in enumerate(stored) if not held]
+        async with tier.reserve([keys[i] for i in todo]) as res:
+            dsts = [torch.from_numpy(view) for view in res.views]
+            copied = await self._copy_blocks(
+                [(dst, blocks[i]) for dst, i in zip(dsts, todo, strict=False)], "get"
+            )
+            res.keep[:] = [copied] * len(dsts)
+        for i in todo[: len(dsts)]:
+            stored[i] = copied
+        tier.counters.declined += len(todo) - len(dsts)
+        tier.counters.observe("put", time.perf_counter() - start)
+        return stored
+
+    async def _copy_blocks(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], op: str) -> bool:
+        """Copy pairs with one side an HBM block; return whether the copies landed.
+
+        See `HBMTier.copy_views`. A failure counts against the HBM tier, under its `op`
+        ("get": out of its blocks, "put": into them).
+        """
+        assert self._hbm is not None  # HBM views exist only with an HBM tier on top
+        hbm = self._hbm
+
+        async def copy() -> bool:
+            await hbm.copy_views(pairs)
+            return True
+
+        return await self._call(self._slots[0], op, copy(), False)
 
     def _record_inserts(
         self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], touched: Sequence[int] = ()

@@ -15,10 +15,7 @@ import torch
 
 from kvtiers._activity import Activity, tracked
 from kvtiers._cascade import build_slots
-from kvtiers._endpoints import (
-    TensorSink,
-    TensorSource,
-)
+from kvtiers._endpoints import Copies, TensorSink, TensorSource
 from kvtiers._host_copies import HostCopier, default_copy_threads
 from kvtiers._keyed import KeyLevelAPI, Salt
 from kvtiers._movement import Mover
@@ -35,6 +32,7 @@ from kvtiers.core.index import LookupResult, PrefixIndex
 from kvtiers.core.keys import ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.copy_engine import CopyEngine
+from kvtiers.gpu.hbm import HBMTier
 from kvtiers.metrics import MetricsServer
 from kvtiers.tiers.registry import TierRegistry
 
@@ -99,6 +97,8 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         self._stack = AsyncExitStack()
         self._engines: dict[torch.device, CopyEngine] = {}
         self._copier = HostCopier(config.copy_threads or default_copy_threads())
+        top = self._slots[0].tier
+        self._copies = Copies(self._copier, top if isinstance(top, HBMTier) else None)
         self._metrics: MetricsServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that opened it
         self._tally = CallTally()
@@ -331,7 +331,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
             out = torch.empty(self.layout.kv_shape(num_tokens), dtype=torch_dtype(self.layout))
         else:
             check_out(self.layout, out, num_tokens)
-        sink = TensorSink(self.layout, out, self._copier)
+        sink = TensorSink(self.layout, out, self._copies)
         if on_layers is not None:
             loaded = await load_layerwise(self._mover, keys, sink, self.layout, on_layers)
         else:
@@ -365,7 +365,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         check_kv(self.layout, kv, len(arr))
         keys = self._hasher.keys_of_array(arr, salt)
         self._salts.stored(arr, self._hasher.root(salt))
-        source = TensorSource(self.layout, kv, self._copier)
+        source = TensorSource(self.layout, kv, self._copies)
         new_chunks = await self._mover.store(keys, source) if keys else 0
         return self._record_store(new_chunks, start)
 

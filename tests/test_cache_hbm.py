@@ -7,21 +7,27 @@ tests run with `cuda:0` where a GPU is present.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from kvtiers import TieredCache
+from kvtiers import TieredCache, TierIOError
 from kvtiers.gpu import PagedKV
 from tests.conftest import make_config, make_kv, same_bytes
 from tests.test_cache_paged import BLOCK, _engine_kv, _tokens_of
 
-DEVICES = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
+# NOTE: the CUDA case is marked, so `benchmarks/gpu_check.py` (`pytest -m gpu`) runs it.
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
 
 
-def _hbm_config(tmp_path, device, *, hbm_chunks=3, write_policy="write_back"):
-    cfg = make_config(tmp_path, dram_chunks=4, lmdb_chunks=100)
+def _hbm_config(
+    tmp_path, device, *, hbm_chunks=3, write_policy="write_back", dram=True, dram_chunks=4
+):
+    cfg = make_config(tmp_path, dram_chunks=dram_chunks, lmdb_chunks=100)
     chunk_bytes = 2048
     cfg["tiers"][0]["write_policy"] = write_policy  # dram, below hbm
+    if not dram:
+        del cfg["tiers"][0]
     cfg["tiers"].insert(0, {"kind": "hbm", "capacity": hbm_chunks * chunk_bytes, "device": device})
     return cfg
 
@@ -69,10 +75,10 @@ async def test_promotions_into_hbm_reuse_one_host_stage(tmp_path, layout, device
     # host memory: a reused stage, not fresh memory whose pages fault in on every load.
     prompts = [[c * 1000 + t for t in range(48)] for c in range(2)]
     kvs = [make_kv(layout, 48, seed=c) for c in range(2)]
-    async with TieredCache.from_config(_hbm_config(tmp_path, device)) as cache:
+    async with TieredCache.from_config(_hbm_config(tmp_path, device, dram=False)) as cache:
         for tokens, kv in zip(prompts, kvs, strict=True):
             assert await cache.store(tokens, kv) == 48
-        await cache.flush()
+            await cache.flush()  # so the second store evicts the first from HBM
         stages = cache._mover._stages
         taken: list[int] = []
         take = stages.take
@@ -83,7 +89,7 @@ async def test_promotions_into_hbm_reuse_one_host_stage(tmp_path, layout, device
             return _Recorded(context, taken)
 
         stages.take = recording  # type: ignore[method-assign]
-        for i in range(4):
+        for i in range(4):  # the second prompt is in HBM since its store
             tokens, kv = prompts[i % 2], kvs[i % 2]
             assert same_bytes(await cache.load(tokens), kv)
         assert cache.stats().tiers[0].promotions >= 4
@@ -103,3 +109,81 @@ class _Recorded:
 
     def __exit__(self, *exc) -> None:
         self._context.__exit__(*exc)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_promotions_from_dram_copy_its_blocks_with_no_stage(tmp_path, layout, device):
+    # DRAM below HBM: a promotion copies DRAM's pinned blocks straight into HBM blocks, and
+    # HBM's write-back demotions land straight in blocks DRAM reserves. No host stage.
+    prompts = [[c * 1000 + t for t in range(48)] for c in range(2)]
+    kvs = [make_kv(layout, 48, seed=c) for c in range(2)]
+    async with TieredCache.from_config(_hbm_config(tmp_path, device, dram_chunks=8)) as cache:
+        for tokens, kv in zip(prompts, kvs, strict=True):
+            assert await cache.store(tokens, kv) == 48  # the second demotes the first
+            await cache.flush()  # chunks queued for LMDB are never evicted from HBM
+        stages = cache._mover._stages
+        taken = []
+        take = stages.take
+        stages.take = lambda count: taken.append(count) or take(count)  # type: ignore[method-assign]
+        assert same_bytes(await cache.load(prompts[0]), kvs[0])
+        hbm, dram, _ = cache.stats().tiers
+        assert (hbm.promotions, dram.hits, dram.demotions) == (3, 3, 6)
+        assert same_bytes(await cache.load(prompts[1]), kvs[1])  # from DRAM, demoted there
+        assert cache.stats().tiers[1].hits == 6
+        assert taken == []
+        assert cache.pin_count() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_failed_block_copy_is_a_miss_and_loses_nothing(tmp_path, layout, device):
+    prompts = [[c * 1000 + t for t in range(48)] for c in range(2)]
+    kvs = [make_kv(layout, 48, seed=c) for c in range(2)]
+    async with TieredCache.from_config(_hbm_config(tmp_path, device)) as cache:
+        for tokens, kv in zip(prompts, kvs, strict=True):
+            assert await cache.store(tokens, kv) == 48  # the second demotes the first
+            await cache.flush()  # LMDB (write-through) holds both
+        hbm = cache.tiers[0]
+        copy_views = hbm.copy_views
+
+        async def failing(pairs):
+            raise TierIOError("hbm tier: copy failed: injected")
+
+        hbm.copy_views = failing
+        # The demotion making room fails, then the promotions from DRAM and from LMDB:
+        # each a miss.
+        assert (await cache.load(prompts[0])).shape[2] == 0
+        stats = cache.stats().tiers
+        assert stats[0].errors == 3 and stats[0].promotions == 0
+        assert cache.pin_count() == 0
+        hbm.copy_views = copy_views
+        assert same_bytes(await cache.load(prompts[0]), kvs[0])
+        assert same_bytes(await cache.load(prompts[1]), kvs[1])
+        assert cache.pin_count() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_key_level_chunks_move_through_hbm_blocks_in_any_host_memory(layout, device):
+    # put_chunks / get_chunks with HBM on top: contiguous, permuted and reversed host arrays
+    # and torch tensors, all bit-exact through the HBM tier's batched copies.
+    config = {
+        "layout": make_config()["layout"],
+        "tiers": [{"kind": "hbm", "capacity": 8 * layout.chunk_bytes, "device": device}],
+    }
+    kv = make_kv(layout, 4 * layout.chunk_size)
+    chunks = [kv.narrow(2, i * layout.chunk_size, layout.chunk_size) for i in range(4)]
+    raw = [c.contiguous().view(torch.uint8).numpy() for c in chunks]
+    srcs = [raw[0], np.ascontiguousarray(raw[1][..., ::-1])[..., ::-1], raw[2], chunks[3]]
+    async with TieredCache.from_config(config) as cache:
+        keys = cache.chunk_keys([f"{i:064x}" for i in range(1, 5)])
+        assert await cache.put_chunks(keys, srcs) == [True] * 4
+        flat = np.zeros(layout.chunk_bytes, dtype=np.uint8)
+        reversed_ = np.zeros(layout.chunk_bytes, dtype=np.uint8)[::-1]
+        permuted = np.zeros(raw[2].shape[::-1], dtype=np.uint8).transpose()
+        tensor = torch.zeros_like(chunks[3])
+        dsts = [flat, reversed_, permuted, tensor]
+        assert await cache.get_chunks(keys, dsts) == [True] * 4
+        assert np.array_equal(flat, raw[0].reshape(-1))
+        assert np.array_equal(reversed_, raw[1].reshape(-1))
+        assert np.array_equal(permuted, raw[2])
+        assert same_bytes(tensor, chunks[3])
+        assert cache.pin_count() == 0

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 
-__all__ = ["DONE", "CopyStream", "Event", "wait_event"]
+__all__ = ["DONE", "CopyStream", "Event", "until_done", "wait_event"]
 
 # Polling: for the first _SPIN_S the waiter re-checks on every pass of the event loop
 # (`sleep(0)` lets other tasks run in between), so short copies resolve within
@@ -134,3 +134,24 @@ async def wait_event(event: Event, *, max_interval_s: float) -> None:
         await asyncio.sleep(delay)
         if delay or time.perf_counter() - start > _SPIN_S:
             delay = min(max_interval_s, max(2 * delay, _FIRST_SLEEP_S))
+
+
+async def until_done(work: Awaitable[None]) -> None:
+    """Await `work` to its end; if cancelled meanwhile, still wait for it, then re-raise.
+
+    For copies into or out of blocks that the caller's pins or reservation hold: those are
+    released when this returns, so a block must not be given back while a copy still
+    reads or writes it. `work`'s own error is raised once it has ended.
+    """
+    # NOTE: `asyncio.wait` never cancels what it waits for, so the copy's completion stays
+    # observable after our own await is cancelled.
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +16,8 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.gpu._streams import CopyStream, Event, wait_event
+from kvtiers.gpu._streams import CopyStream, Event, until_done, wait_event
+from kvtiers.gpu.paged import host_tensor
 from kvtiers.tiers.base import Buffer
 from kvtiers.tiers.blocks import BlockTier
 
@@ -157,6 +157,48 @@ class HBMTier(BlockTier[torch.Tensor]):
             stored[i] = True
         return stored
 
+    async def copy_views(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run `dst.copy_(src)` for each pair, one side a view of this tier's blocks.
+
+        This is how chunks move between this tier's blocks and other memory without a
+        call per chunk on the event loop: a lower tier's pinned blocks or a stage on
+        promotion, a stage or a lower tier's reserved blocks on demotion, a caller's
+        tensors on load and store. On CUDA the copies are queued on the tier's stream
+        from a worker thread, which then synchronises once (pinned host memory moves by
+        DMA; pageable memory is staged by the driver); on the CPU seam they run inline.
+
+        The views belong to the caller's `pinned` or `reserve` context, which must not
+        end under a copy in flight: a cancellation that arrives meanwhile is raised once
+        every copy has landed.
+
+        Args:
+            pairs: `(dst, src)` tensors of one shape and dtype.
+
+        Raises:
+            TierIOError: a copy failed on the device.
+        """
+        self._ensure_open()
+        stream = self._stream
+        assert stream is not None  # set by _open
+        if not pairs:
+            return
+
+        def copy() -> None:
+            with stream.use():
+                for dst, src in pairs:
+                    # NOTE: non_blocking is safe for every pair: the stream is
+                    # synchronised before anyone reads a destination.
+                    dst.copy_(src, non_blocking=stream.is_cuda)
+                stream.synchronize()
+
+        try:
+            if stream.is_cuda:
+                await until_done(asyncio.get_running_loop().run_in_executor(None, copy))
+            else:
+                copy()
+        except (RuntimeError, ValueError) as exc:
+            raise TierIOError(f"hbm tier {self.name!r}: copy failed: {exc}") from exc
+
     async def _copy(self, copy: Callable[[], None], on_abort: Callable[[], None]) -> None:
         """Run `copy` (host buffers to or from blocks) without blocking the event loop.
 
@@ -235,20 +277,8 @@ def _parse_device(value: object, where: str) -> torch.device:
     return device if device.type == "cpu" or device.index is not None else torch.device("cuda", 0)
 
 
-def _host_tensor(buf: Buffer) -> torch.Tensor | None:
-    """Return a tensor sharing `buf`'s memory, or `None` if torch cannot."""
-    try:
-        if buf.flags.writeable:
-            return torch.from_numpy(buf)
-        with warnings.catch_warnings():  # read-only sources are only read
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(buf)
-    except (ValueError, TypeError):  # negative strides
-        return None
-
-
 def _to_host(block: torch.Tensor, dst: Buffer) -> None:
-    host = _host_tensor(dst)
+    host = host_tensor(dst)
     if host is None:
         np.copyto(dst, block.cpu().numpy().reshape(dst.shape))
         return
@@ -257,7 +287,7 @@ def _to_host(block: torch.Tensor, dst: Buffer) -> None:
 
 
 def _to_device(src: Buffer, block: torch.Tensor) -> None:
-    host = _host_tensor(src)
+    host = host_tensor(src)
     if host is None:
         host = torch.from_numpy(np.ascontiguousarray(src))
     pinned = block.is_cuda and host.is_pinned()

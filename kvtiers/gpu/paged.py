@@ -17,6 +17,7 @@ round-trip bit for bit. A block must be contiguous; blocks may be strided.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -35,6 +36,7 @@ __all__ = [
     "PagedKV",
     "PagedKind",
     "as_rows",
+    "host_tensor",
     "payload_tensor",
     "unit_width",
 ]
@@ -307,3 +309,19 @@ def payload_tensor(layout: KVLayout, buf: npt.NDArray[np.uint8] | torch.Tensor) 
     if not tensor.is_contiguous():
         raise InvalidInputError("payload: the block view must be contiguous")
     return tensor.view(-1).view(getattr(torch, layout.dtype)).view(layout.chunk_shape())
+
+
+def host_tensor(buf: npt.NDArray[np.uint8]) -> torch.Tensor | None:
+    """Return a tensor sharing the host buffer `buf`'s memory, or `None` if torch cannot.
+
+    Read-only buffers are accepted (they are only read); arrays with negative strides
+    get `None`.
+    """
+    try:
+        if buf.flags.writeable:
+            return torch.from_numpy(buf)
+        with warnings.catch_warnings():  # read-only sources are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(buf)
+    except (ValueError, TypeError):  # negative strides
+        return None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import ConfigError
+from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu import CopyEngine, HBMTier, payload_tensor
@@ -107,6 +107,23 @@ async def test_pinned_views_are_zero_copy_and_delete_waits_for_unpin() -> None:
             await tier.put([_key(3)], [_payload(3)])
             assert np.array_equal(view.cpu().numpy(), _payload(1))
         assert tier.total_pins == 0 and tier.num_free_chunks == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_copy_views_moves_blocks_to_and_from_host_memory_in_one_batch(device: str) -> None:
+    async with _tier(4, device) as tier:
+        async with tier.reserve([_key(1), _key(2)]) as res:
+            srcs = [torch.from_numpy(_payload(1)), torch.from_numpy(_payload(2))]
+            await tier.copy_views(list(zip(res.views, srcs, strict=True)))
+        outs = [torch.zeros(SMALL_LAYOUT.chunk_bytes, dtype=torch.uint8) for _ in range(2)]
+        async with tier.pinned([_key(2), _key(1)]) as views:
+            await tier.copy_views([(outs[0], views[0]), (outs[1], views[1])])
+        assert np.array_equal(outs[0].numpy(), _payload(2))
+        assert np.array_equal(outs[1].numpy(), _payload(1))
+        await tier.copy_views([])
+        with pytest.raises(TierIOError, match="copy failed"):
+            await tier.copy_views([(outs[0][:8], tier.block_view(0))])
+        assert tier.total_pins == 0
 
 
 async def test_reserve_commits_kept_blocks_and_frees_the_rest() -> None:
