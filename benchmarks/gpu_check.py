@@ -3,12 +3,14 @@
 Usage: `python benchmarks/gpu_check.py [--quick] [--json OUT]` from the repository root.
 
 It prints the machine (GPU name, driver and CUDA versions), runs the CUDA-marked tests
-(`pytest -m gpu` over `tests/gpu`, the vLLM worker's pipelined loads and vLLM's CUDA
-KV layouts), then
+(`pytest -m gpu` over `tests/gpu`, the cache with an HBM tier, the vLLM worker's pipelined
+loads and vLLM's CUDA KV layouts), then
 `benchmarks.bench_gpu_copy`: store (D2H gather) and load (H2D scatter) bandwidth for a
 Llama-3-8B layout, 4 GiB moved, against one plain pinned `copy_` of the same bytes (target
->= 0.85), and how much a store slows a matmul on another stream (target < 10%). It takes
-about a minute. Exit status: 0 when the tests pass and every target is met, 1 when a test
+>= 0.85), and how much a store slows a matmul on another stream (target < 10%); then
+`benchmarks.bench_hbm`: an HBM tier's promotions from DRAM, loads into host memory and
+stores with a demotion, 48 MiB each, against plain `copy_`s (target >= 0.8). It takes
+about two minutes. Exit status: 0 when the tests pass and every target is met, 1 when a test
 fails, 2 when a target is missed. Without a CUDA device it prints 'no CUDA device: skipped'
 and exits 0.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 #: Where the CUDA-marked tests are.
 GPU_TESTS = (
     "tests/gpu",
+    "tests/test_cache_hbm.py",
     "tests/integrations/test_vllm_worker.py",
     "tests/integrations/test_vllm_kv.py",
 )
@@ -86,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results = run(args.quick)
     print_report(results)
+    print()
+    print("## HBM tier: promotions, loads and stores vs plain copies", flush=True)
+    from benchmarks.bench_hbm import run as run_hbm
+
+    moves = run_hbm(args.quick)
+    print_report(moves)
+    results += moves
     missed = [r.name for r in results if r.passed is False]
     met = sum(r.passed is True for r in results)
     print()
