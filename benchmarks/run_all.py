@@ -24,6 +24,7 @@ BENCHMARKS = (
     "bench_keys",
     "bench_lookup",
     "bench_dram",
+    "bench_hbm",  # on the HBM tier's CPU seam without CUDA
     "bench_lmdb",
     "bench_remote",
     "bench_split_load",
