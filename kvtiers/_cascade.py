@@ -9,6 +9,7 @@ from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.eviction import available_policies, make_policy
+from kvtiers.gpu.hbm import HostCopy
 from kvtiers.gpu.pinned import pinned_allocator
 from kvtiers.tiers.dram import MemoryTier
 from kvtiers.tiers.registry import TierRegistry
@@ -16,10 +17,13 @@ from kvtiers.tiers.registry import TierRegistry
 __all__ = ["build_slots"]
 
 
-def build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) -> list[Slot]:
+def build_slots(
+    config: CacheConfig, layout: KVLayout, registry: TierRegistry, host_copy: HostCopy
+) -> list[Slot]:
     """Return the slots of the config's tiers, top first, each tier built (not opened).
 
-    Every `dram` tier shares one pinned-memory allocator.
+    Every `dram` tier shares one pinned-memory allocator; `hbm` tiers get `host_copy`
+    (the cache's copy threads) for the copies of their CPU seam.
 
     Raises:
         ConfigError: an unknown tier kind or policy, or a write-back tier under a tier that
@@ -34,6 +38,8 @@ def build_slots(config: CacheConfig, layout: KVLayout, registry: TierRegistry) -
             if allocate is None:
                 allocate = pinned_allocator()
             resources["allocate"] = allocate
+        if tc.kind == "hbm":
+            resources["host_copy"] = host_copy
         tier = cls.from_config(tc, layout, **resources)
         policy = None
         if not cls.manages_eviction:

@@ -11,6 +11,7 @@ import torch
 from kvtiers.core.errors import LayoutMismatch, TokenError
 from kvtiers.core.keys import as_token_array
 from kvtiers.core.layout import KVLayout
+from kvtiers.gpu.paged import host_bytes
 
 __all__ = [
     "TORCH_DTYPES",
@@ -72,21 +73,6 @@ def _check_memory(name: str, tensor: torch.Tensor, *, writable: bool) -> None:
     # NOTE: the membership test first: it is cheap, and the chunk checks run per chunk.
     if 0 in strides and any(st == 0 and n > 1 for st, n in zip(strides, tensor.shape, strict=True)):
         raise LayoutMismatch(f"{name}: elements overlap (an expanded view); it cannot be filled")
-
-
-def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:
-    """Return a uint8 NumPy view of a host tensor, or `None` when there is none.
-
-    The view shares memory, with the last axis in bytes; it exists for CPU tensors whose
-    last axis is contiguous. Chunk copies through it skip per-chunk tensor wrapping, and a
-    tier can read straight into it.
-    """
-    if not tensor.is_cpu or tensor.requires_grad or tensor.stride(-1) != 1:
-        return None
-    try:
-        return tensor.view(torch.uint8).numpy()
-    except (RuntimeError, TypeError):
-        return None
 
 
 def check_kv(layout: KVLayout, kv: object, num_tokens: int) -> torch.Tensor:

@@ -83,7 +83,10 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         self._hasher = ChunkHasher(layout.fingerprint, layout.chunk_size)
         self._salts = SaltWitness(layout.chunk_size)
         self._index = PrefixIndex(len(config.tiers))
-        self._slots = build_slots(self.config, layout, registry or TierRegistry())
+        self._copier = HostCopier(config.copy_threads or default_copy_threads())
+        self._slots = build_slots(
+            self.config, layout, registry or TierRegistry(), self._copier.copy
+        )
         self._events = EventQueue(config.events) if config.events > 0 else None
         self._mover = Mover(
             layout,
@@ -96,7 +99,6 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         self._state = CacheState.UNOPENED
         self._stack = AsyncExitStack()
         self._engines: dict[torch.device, CopyEngine] = {}
-        self._copier = HostCopier(config.copy_threads or default_copy_threads())
         top = self._slots[0].tier
         self._copies = Copies(self._copier, top if isinstance(top, HBMTier) else None)
         self._metrics: MetricsServer | None = None

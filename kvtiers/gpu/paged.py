@@ -36,6 +36,7 @@ __all__ = [
     "PagedKV",
     "PagedKind",
     "as_rows",
+    "host_bytes",
     "host_tensor",
     "payload_tensor",
     "unit_width",
@@ -324,4 +325,19 @@ def host_tensor(buf: npt.NDArray[np.uint8]) -> torch.Tensor | None:
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(buf)
     except (ValueError, TypeError):  # negative strides
+        return None
+
+
+def host_bytes(tensor: torch.Tensor) -> npt.NDArray[np.uint8] | None:
+    """Return a uint8 NumPy view of a host tensor, or `None` when there is none.
+
+    The view shares memory, with the last axis in bytes; it exists for CPU tensors whose
+    last axis is contiguous. Chunk copies through it skip per-chunk tensor wrapping, and a
+    tier can read straight into it.
+    """
+    if not tensor.is_cpu or tensor.requires_grad or tensor.stride(-1) != 1:
+        return None
+    try:
+        return tensor.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
         return None
