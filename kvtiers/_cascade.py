@@ -9,8 +9,9 @@ from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.eviction import available_policies, make_policy
-from kvtiers.gpu.hbm import HostCopy
+from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.pinned import pinned_allocator
+from kvtiers.tiers.base import HostCopy
 from kvtiers.tiers.dram import MemoryTier
 from kvtiers.tiers.registry import TierRegistry
 
@@ -22,8 +23,8 @@ def build_slots(
 ) -> list[Slot]:
     """Return the slots of the config's tiers, top first, each tier built (not opened).
 
-    Every `dram` tier shares one pinned-memory allocator; `hbm` tiers get `host_copy`
-    (the cache's copy threads) for the copies of their CPU seam.
+    Every `dram` tier shares one pinned-memory allocator; block tiers in host memory, and
+    `hbm` tiers on their CPU seam, copy with `host_copy` (the cache's copy threads).
 
     Raises:
         ConfigError: an unknown tier kind or policy, or a write-back tier under a tier that
@@ -38,7 +39,7 @@ def build_slots(
             if allocate is None:
                 allocate = pinned_allocator()
             resources["allocate"] = allocate
-        if tc.kind == "hbm":
+        if issubclass(cls, MemoryTier | HBMTier):
             resources["host_copy"] = host_copy
         tier = cls.from_config(tc, layout, **resources)
         policy = None

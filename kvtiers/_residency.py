@@ -15,19 +15,17 @@ committed, pinned blocks are never reused, and chunks still queued for a write-t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvtiers._logs import RateLimitedLog
+from kvtiers._stages import StagePool
 from kvtiers.core.config import TierConfig
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
@@ -35,18 +33,18 @@ from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.eviction.base import EvictionPolicy
 from kvtiers.gpu.hbm import HBMTier
+from kvtiers.gpu.pinned import pinned_allocator
 from kvtiers.tiers.base import Buffer, Tier
 from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.dram import MemoryTier
 
-__all__ = ["Residency", "Slot", "StagePool", "View"]
+__all__ = ["Residency", "Slot", "View"]
 
 logger = logging.getLogger("kvtiers")
 
 _T = TypeVar("_T")
 View = Buffer | torch.Tensor
 """A block view: host bytes (DRAM) or a device tensor (HBM)."""
-_MAX_STAGE_ROWS = 32  # chunks in one stage buffer at most
 DIRECT_PUT_BYTES = 4 * 2**20
 """Chunks this big or bigger are put from the caller's contiguous bytes, unstaged."""
 _RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
@@ -112,7 +110,12 @@ class Residency:
         self._self_evicting = [s for s in slots if s.tier.manages_eviction]
         self._pending: Counter[ChunkKey] = Counter()
         self._evicting: set[ChunkKey] = set()
-        self._stages = StagePool(layout.chunk_bytes)
+        # NOTE: on a GPU the stage is one side of the HBM tier's copies (promotions from,
+        # demotions into tiers of host buffers): pinned, those copies run by DMA.
+        on_gpu = self._hbm is not None and self._hbm.device.type == "cuda"
+        self._stages = StagePool(
+            layout.chunk_bytes, allocate=pinned_allocator() if on_gpu else None
+        )
         # NOTE: big chunks that the caller holds as contiguous host bytes go to the tiers
         # below without a stage copy. Measured on a 2-vCPU VM (puts into lmdb): 8 and 32 MiB
         # chunks stored 10-35% faster that way, 256 KiB chunks 30% slower (a batch of small
@@ -354,43 +357,3 @@ class Residency:
             del evicted[next(iter(evicted))]
         if self._events is not None:
             self._events.append(ChunkRemoved(slot.tier.name, key, self._layout.chunk_size))
-
-
-class StagePool:
-    """Reusable host buffers for chunks on their way between a tier and a caller.
-
-    Fresh buffers cost a page fault per 4 KiB on first touch (about as much as the copy
-    itself); reusing a few keeps that cost to the first use. Buffers are taken and given
-    back on the event loop only, so the pool needs no lock.
-
-    Args:
-        chunk_bytes: bytes of one chunk (one row).
-        max_bytes: the size of one buffer; it holds at least one chunk.
-        keep: buffers kept for reuse; more are allocated when needed, then dropped.
-    """
-
-    def __init__(self, chunk_bytes: int, max_bytes: int = 64 * 2**20, keep: int = 2) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.rows = max(1, min(_MAX_STAGE_ROWS, max_bytes // chunk_bytes))
-        """Chunks one buffer holds."""
-        self._keep = keep
-        self._free: list[npt.NDArray[np.uint8]] = []
-
-    @contextlib.contextmanager
-    def take(self, count: int) -> Iterator[npt.NDArray[np.uint8]]:
-        """Yield a `(count, chunk_bytes)` buffer.
-
-        Up to `rows` chunks it is one of the kept buffers; a larger one is fresh, and
-        dropped after use.
-        """
-        if count > self.rows:
-            yield np.empty((count, self.chunk_bytes), dtype=np.uint8)
-            return
-        buf = self._free.pop() if self._free else None
-        if buf is None:
-            buf = np.empty((self.rows, self.chunk_bytes), dtype=np.uint8)
-        try:
-            yield buf[:count]
-        finally:
-            if len(self._free) < self._keep:
-                self._free.append(buf)

@@ -18,13 +18,10 @@ from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu._streams import CopyStream, Event, until_done, wait_event
 from kvtiers.gpu.paged import host_bytes, host_tensor
-from kvtiers.tiers.base import Buffer
+from kvtiers.tiers.base import Buffer, HostCopy, copy_serially
 from kvtiers.tiers.blocks import BlockTier
 
-__all__ = ["HBMTier", "HostCopy"]
-
-HostCopy = Callable[[Sequence[tuple[Buffer, Buffer]]], None]
-"""Copies `(dst, src)` pairs of host bytes of one shape (the cache's copy threads)."""
+__all__ = ["HBMTier"]
 
 _POLL_S = 2.5e-4
 
@@ -64,7 +61,7 @@ class HBMTier(BlockTier[torch.Tensor]):
         super().__init__(config, layout)
         self.device = _parse_device(config.options.get("device", "cuda:0"), config.where)
         """The device holding the blocks."""
-        self._host_copy = host_copy or _copy_serially
+        self._host_copy = host_copy or copy_serially
         self._buffer = torch.empty(0, dtype=torch.uint8)
         # Aborted copies: each release (unpin or free) runs once its event has fired.
         self._limbo: list[tuple[Event, Callable[[], None]]] = []
@@ -305,11 +302,6 @@ def _host_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[Buffer, Buffer] | 
     if a is None or b is None or a.shape != b.shape:
         return None
     return a, b
-
-
-def _copy_serially(pairs: Sequence[tuple[Buffer, Buffer]]) -> None:
-    for dst, src in pairs:
-        np.copyto(dst, src)
 
 
 def _to_host(block: torch.Tensor, dst: Buffer) -> None:

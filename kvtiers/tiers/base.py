@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Self, cast
 
@@ -20,7 +20,15 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import StoreHealth, TierCounters, TierStats, TierUsage
 from kvtiers.tiers._layers import check_layers, layer_pieces, write_layers
 
-__all__ = ["Buffer", "Tier", "TierState", "check_keys", "check_option_keys"]
+__all__ = [
+    "Buffer",
+    "HostCopy",
+    "Tier",
+    "TierState",
+    "check_keys",
+    "check_option_keys",
+    "copy_serially",
+]
 
 Buffer = npt.NDArray[np.uint8]
 """A chunk's bytes: a uint8 array of `layout.chunk_bytes` bytes, any shape, any strides.
@@ -28,6 +36,19 @@ Buffer = npt.NDArray[np.uint8]
 Its C-order element sequence is the payload (`[layer][k|v][token][head][dim]`), so a strided
 view of a caller's KV tensor is a valid destination or source and saves a copy.
 """
+
+HostCopy = Callable[[Sequence[tuple[Buffer, Buffer]]], None]
+"""Copies `(dst, src)` pairs of host arrays of one shape: a block tier's copies.
+
+The cache hands its copy threads to its block tiers (`HostCopier.copy`, resource
+`host_copy`); `copy_serially` is the default.
+"""
+
+
+def copy_serially(pairs: Sequence[tuple[Buffer, Buffer]]) -> None:
+    """Copy each pair's source into its destination, one after another."""
+    for dst, src in pairs:
+        np.copyto(dst, src)
 
 
 _EVICTED_KEPT = 65_536  # keys a tier remembers having evicted until the cache takes them

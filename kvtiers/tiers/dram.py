@@ -12,7 +12,7 @@ from kvtiers.core.config import TierConfig, format_size
 from kvtiers.core.errors import TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.tiers.base import Buffer
+from kvtiers.tiers.base import Buffer, HostCopy, copy_serially
 from kvtiers.tiers.blocks import BlockTier
 
 __all__ = ["Allocator", "DRAMTier", "MemoryTier"]
@@ -32,19 +32,31 @@ class MemoryTier(BlockTier[Buffer]):
         config: this tier's config.
         layout: the KV layout.
         allocate: returns the tier's buffer; plain NumPy memory by default.
+        host_copy: copies a batch of `get` or `put` (the cache passes its copy threads);
+            one `np.copyto` after another by default.
     """
 
     def __init__(
-        self, config: TierConfig, layout: KVLayout, allocate: Allocator | None = None
+        self,
+        config: TierConfig,
+        layout: KVLayout,
+        allocate: Allocator | None = None,
+        host_copy: HostCopy | None = None,
     ) -> None:
         super().__init__(config, layout)
         self._allocate = allocate or _numpy_allocator
+        self._host_copy = host_copy or copy_serially
         self._buffer: Buffer = np.empty(0, dtype=np.uint8)
 
     @classmethod
     def from_config(cls, config: TierConfig, layout: KVLayout, **resources: Any) -> MemoryTier:
         # docstring inherited
-        return cls(config, layout, allocate=resources.get("allocate"))
+        return cls(
+            config,
+            layout,
+            allocate=resources.get("allocate"),
+            host_copy=resources.get("host_copy"),
+        )
 
     async def _open(self) -> None:
         num_bytes = self.num_chunks * self.layout.chunk_bytes
@@ -74,27 +86,27 @@ class MemoryTier(BlockTier[Buffer]):
         # docstring inherited
         self._ensure_open()
         self._check_buffers(keys, dsts)
-        found: list[bool] = []
-        for key, dst in zip(keys, dsts, strict=True):
-            block_id = self._blocks.get(key)
-            if block_id is None:
-                found.append(False)
-                continue
-            np.copyto(dst, self.block_view(block_id).reshape(dst.shape))
-            found.append(True)
-        hits = sum(found)
+        found = [self._blocks.get(key) for key in keys]
+        pairs = [
+            (dst, self.block_view(b).reshape(dst.shape))
+            for dst, b in zip(dsts, found, strict=True)
+            if b is not None
+        ]
+        self._host_copy(pairs)
+        hits = len(pairs)
         self.counters.hits += hits
         self.counters.misses += len(found) - hits
         self.counters.bytes_read += hits * self.layout.chunk_bytes
-        return found
+        return [b is not None for b in found]
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
         self._ensure_open()
         self._check_buffers(keys, srcs)
         stored: list[bool] = []
+        writes: dict[ChunkKey, tuple[int, Buffer]] = {}
         for key, src in zip(keys, srcs, strict=True):
-            if key in self._blocks:
+            if key in self._blocks or key in writes:
                 stored.append(True)
                 continue
             block_id = self._pool.allocate()
@@ -102,9 +114,17 @@ class MemoryTier(BlockTier[Buffer]):
                 self.counters.declined += 1
                 stored.append(False)
                 continue
-            self.block_view(block_id)[:] = np.ascontiguousarray(src).reshape(-1)
-            self._commit(key, block_id)
+            writes[key] = (block_id, src)
             stored.append(True)
+        try:
+            self._host_copy(
+                [(self.block_view(b).reshape(src.shape), src) for b, src in writes.values()]
+            )
+        except BaseException:
+            self._free([b for b, _ in writes.values()])
+            raise
+        for key, (block_id, _) in writes.items():
+            self._commit(key, block_id)
         return stored
 
 

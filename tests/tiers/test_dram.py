@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtiers._host_copies import HostCopier
 from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.keys import ChunkKey
@@ -98,3 +99,44 @@ async def test_custom_allocator_is_used():
     tier = DRAMTier(TierConfig("dram", 3 * SMALL_LAYOUT.chunk_bytes), SMALL_LAYOUT, allocate)
     async with tier:
         assert calls == [3 * SMALL_LAYOUT.chunk_bytes]
+
+
+class TestDRAMTierOnCopyThreads(TierTests):
+    """The tier contract with the cache's copy threads doing its copies."""
+
+    tier_cls = DRAMTier
+
+    def setup_method(self) -> None:
+        # NOTE: min_bytes=1 cuts even the suite's small chunks into pieces on two threads.
+        self.copier = HostCopier(2, min_bytes=1, piece_bytes=64)
+
+    def teardown_method(self) -> None:
+        self.copier.close()
+
+    async def make_tier(self, tmp_path: Path, layout: KVLayout, capacity_bytes: int) -> DRAMTier:
+        config = TierConfig("dram", capacity_bytes)
+        return DRAMTier(config, layout, host_copy=self.copier.copy)
+
+
+async def test_a_get_or_put_is_one_batch_of_copies_in_any_layout():
+    batches: list[int] = []
+
+    def host_copy(pairs):
+        batches.append(len(pairs))
+        for dst, src in pairs:
+            np.copyto(dst, src)
+
+    config = TierConfig("dram", 4 * SMALL_LAYOUT.chunk_bytes)
+    keys = [_key(i) for i in range(3)]
+    payloads = [_payload(i) for i in range(3)]
+    # Strided and reshaped buffers: their bytes in C order are the chunk.
+    srcs = [payloads[0], np.flip(np.flip(payloads[1]).copy()), payloads[2].reshape(2, -1)]
+    async with DRAMTier(config, SMALL_LAYOUT, host_copy=host_copy) as tier:
+        assert await tier.put([*keys, keys[0]], [*srcs, srcs[0]]) == [True] * 4
+        flipped = np.flip(np.zeros(SMALL_LAYOUT.chunk_bytes, np.uint8))
+        shaped = np.zeros((4, SMALL_LAYOUT.chunk_bytes // 4), np.uint8)
+        got = await tier.get([keys[1], _key(9), keys[2]], [flipped, flipped.copy(), shaped])
+        assert got == [True, False, True]
+    assert batches == [3, 2]
+    assert np.array_equal(flipped, payloads[1])
+    assert np.array_equal(shaped.reshape(-1), payloads[2])
