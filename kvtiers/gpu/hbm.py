@@ -173,9 +173,10 @@ class HBMTier(BlockTier[torch.Tensor]):
         from a worker thread, which then synchronises once (pinned host memory moves by
         DMA; pageable memory is staged by the driver); on the CPU seam they run inline.
 
-        The views belong to the caller's `pinned` or `reserve` context, which must not
-        end under a copy in flight: a cancellation that arrives meanwhile is raised once
-        every copy has landed.
+        The copies are ordered after the work already queued on the calling thread's
+        current stream, and have landed when this returns. The views belong to the
+        caller's `pinned` or `reserve` context, which must not end under a copy in flight:
+        a cancellation that arrives meanwhile is raised once every copy has landed.
 
         Args:
             pairs: `(dst, src)` tensors of one shape and dtype.
@@ -205,6 +206,9 @@ class HBMTier(BlockTier[torch.Tensor]):
 
         try:
             if stream.is_cuda:
+                # NOTE: from this thread, whose current stream carries the caller's work on
+                # its tensors (kernels still writing a source, or reading a destination).
+                stream.wait_current()
                 await until_done(asyncio.get_running_loop().run_in_executor(None, copy))
             else:
                 copy()
