@@ -3,8 +3,8 @@
 Usage: `python benchmarks/gpu_check.py [--quick] [--json OUT]` from the repository root.
 
 It prints the machine (GPU name, driver and CUDA versions), runs the CUDA-marked tests
-(`pytest -m gpu` over `tests/gpu`, the cache with an HBM tier, the vLLM worker's pipelined
-loads and vLLM's CUDA KV layouts), then
+(`pytest -m gpu` over `tests/gpu`, the cache with GPU tensors and an HBM tier, the vLLM
+worker's pipelined loads and vLLM's CUDA KV layouts), then
 `benchmarks.bench_gpu_copy`: store (D2H gather) and load (H2D scatter) bandwidth for a
 Llama-3-8B layout, 4 GiB moved, against one plain pinned `copy_` of the same bytes (target
 >= 0.85), and how much a store slows a matmul on another stream (target < 10%); then
@@ -25,6 +25,7 @@ from pathlib import Path
 #: Where the CUDA-marked tests are.
 GPU_TESTS = (
     "tests/gpu",
+    "tests/test_cache.py",
     "tests/test_cache_hbm.py",
     "tests/integrations/test_vllm_worker.py",
     "tests/integrations/test_vllm_kv.py",

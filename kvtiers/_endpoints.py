@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ import torch
 from kvtiers._host_copies import HostCopier, Pair
 from kvtiers._tensors import host_bytes
 from kvtiers.core.layout import KVLayout
-from kvtiers.gpu._streams import until_done
+from kvtiers.gpu._streams import CopyStream, copy_pairs, until_done
 from kvtiers.gpu.copy_engine import CopyEngine
 from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.paged import PagedKV, host_tensor, payload_tensor
@@ -42,27 +41,41 @@ __all__ = [
 View = Buffer | torch.Tensor
 """A tier block's bytes: a host NumPy view (DRAM) or a device tensor (HBM)."""
 TensorPair = tuple[torch.Tensor, torch.Tensor]
-"""A `(dst, src)` copy with one side an HBM block view."""
+"""A `(dst, src)` copy with a side in device memory (an HBM block, a caller's tensor)."""
 
 
-@dataclass(frozen=True, slots=True)
 class Copies:
-    """How sinks and sources copy: host bytes on the copy threads, HBM blocks on its stream."""
+    """How sinks and sources copy: host bytes on the copy threads, device memory in batches.
 
-    host: HostCopier
-    """Copies between host buffers (several threads for a large batch)."""
-    hbm: HBMTier | None
-    """The top tier when it is an HBM tier: the only tier whose block views are tensors."""
+    Args:
+        host: copies between host buffers (several threads for a large batch).
+        hbm: the top tier when it is an HBM tier; its stream carries the device copies.
+    """
 
-    async def blocks(self, pairs: list[TensorPair]) -> None:
-        """Copy `(dst, src)` pairs, one side an HBM block view, in one batch.
+    def __init__(self, host: HostCopier, hbm: HBMTier | None) -> None:
+        self.host = host
+        self._hbm = hbm
+        self._streams: dict[torch.device, CopyStream] = {}
 
-        See `HBMTier.copy_views`.
+    async def device(self, pairs: list[TensorPair]) -> None:
+        """Copy `(dst, src)` pairs with a side in device memory, in one batch per device.
+
+        The side is an HBM block or the caller's tensor (a DRAM block into a GPU `out=`).
+        See `copy_pairs`: one synchronisation per batch, off the event loop's thread.
         """
-        if pairs:
-            # NOTE: tensor views come from the HBM tier only, so it is there.
-            assert self.hbm is not None
-            await self.hbm.copy_views(pairs)
+        if not pairs:
+            return
+        if self._hbm is not None:
+            await self._hbm.copy_views(pairs)
+            return
+        groups: dict[torch.device, list[TensorPair]] = {}
+        for dst, src in pairs:
+            groups.setdefault(dst.device if dst.is_cuda else src.device, []).append((dst, src))
+        for device, group in groups.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = CopyStream(device)
+            await copy_pairs(stream, group, self.host.copy)
 
 
 class Sink(ABC):
@@ -102,8 +115,8 @@ class Source(ABC):
 class TensorSink(Sink):
     """Deliver into a KV tensor `(num_layers, planes, tokens, ...)` on any device.
 
-    Host copies go through `copies.host` (several threads for a large batch), copies from
-    HBM blocks through `copies.blocks` (one batch on the HBM tier's stream).
+    Host copies go through `copies.host` (several threads for a large batch), copies with
+    device memory through `copies.device` (one batch on a stream).
     """
 
     def __init__(self, layout: KVLayout, out: torch.Tensor, copies: Copies) -> None:
@@ -131,13 +144,11 @@ class TensorSink(Sink):
                 # copy per chunk on the host.
                 host.append((dst, view.reshape(dst.shape)))
                 continue
-            pair = (self._out.narrow(2, idx * size, size), payload_tensor(self._layout, view))
-            if isinstance(view, torch.Tensor):
-                device.append(pair)
-            else:
-                pair[0].copy_(pair[1])
+            device.append(
+                (self._out.narrow(2, idx * size, size), payload_tensor(self._layout, view))
+            )
         self._copies.host.copy(host)
-        await self._copies.blocks(device)
+        await self._copies.device(device)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
@@ -155,7 +166,7 @@ class TensorSink(Sink):
 class TensorSource(Source):
     """Fill from a KV tensor `(num_layers, planes, tokens, ...)` on any device.
 
-    Host copies go through `copies.host`, copies into HBM blocks through `copies.blocks`.
+    Host copies go through `copies.host`, copies with device memory through `copies.device`.
     """
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor, copies: Copies) -> None:
@@ -175,13 +186,9 @@ class TensorSource(Source):
                 src = self._kv_bytes[:, :, lo : lo + size]
                 host.append((view.reshape(src.shape), src))
                 continue
-            pair = (payload_tensor(self._layout, view), self._kv.narrow(2, lo, size))
-            if isinstance(view, torch.Tensor):
-                device.append(pair)
-            else:
-                pair[0].copy_(pair[1])
+            device.append((payload_tensor(self._layout, view), self._kv.narrow(2, lo, size)))
         self._copies.host.copy(host)
-        await self._copies.blocks(device)
+        await self._copies.device(device)
 
 
 Chunk = torch.Tensor | Buffer
@@ -197,7 +204,7 @@ class ChunkSink(Sink):
 
     Host memory (a permuted view is fine when its last axis is contiguous) is filled by the
     tiers directly; device tensors through one copy. Host copies go through `copies.host`
-    (several threads for a large batch), copies from HBM blocks through `copies.blocks`.
+    (several threads for a large batch), copies with device memory through `copies.device`.
     """
 
     def __init__(self, layout: KVLayout, dsts: Sequence[Chunk], copies: Copies) -> None:
@@ -219,11 +226,7 @@ class ChunkSink(Sink):
             if dst is None:  # the caller's device tensor
                 target = self._dsts[idx]
                 assert isinstance(target, torch.Tensor)
-                pair = (target, payload_tensor(self._layout, view))
-                if isinstance(view, torch.Tensor):
-                    device.append(pair)
-                else:
-                    target.copy_(pair[1])
+                device.append((target, payload_tensor(self._layout, view)))
             elif isinstance(view, np.ndarray):
                 host.append((dst, view.reshape(dst.shape)))
             elif (host_dst := host_tensor(dst)) is not None:  # an HBM block into host bytes
@@ -231,7 +234,7 @@ class ChunkSink(Sink):
             else:  # bytes torch cannot view (negative strides)
                 host.append((dst, view.cpu().numpy().reshape(dst.shape)))
         self._copies.host.copy(host)
-        await self._copies.blocks(device)
+        await self._copies.device(device)
 
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
@@ -255,7 +258,7 @@ def _copy_layers(dst: Buffer, view: Buffer, layers: range, layout: KVLayout) -> 
 class ChunkSource(Source):
     """Fill chunk `i` from `srcs[i]` (see `Chunk`).
 
-    Host copies go through `copies.host`, copies into HBM blocks through `copies.blocks`.
+    Host copies go through `copies.host`, copies with device memory through `copies.device`.
     """
 
     def __init__(self, layout: KVLayout, srcs: Sequence[Chunk], copies: Copies) -> None:
@@ -280,11 +283,7 @@ class ChunkSource(Source):
             if src is None:  # the caller's device tensor
                 source = self._srcs[idx]
                 assert isinstance(source, torch.Tensor)
-                pair = (payload_tensor(self._layout, view), source)
-                if isinstance(view, torch.Tensor):
-                    device.append(pair)
-                else:
-                    pair[0].copy_(source)
+                device.append((payload_tensor(self._layout, view), source))
             elif isinstance(view, np.ndarray):
                 host.append((view.reshape(src.shape), src))
             else:  # host bytes into an HBM block
@@ -293,7 +292,7 @@ class ChunkSource(Source):
                     host_src = torch.from_numpy(np.ascontiguousarray(src))
                 device.append((view.view(host_src.shape), host_src))
         self._copies.host.copy(host)
-        await self._copies.blocks(device)
+        await self._copies.device(device)
 
 
 class _Paged:

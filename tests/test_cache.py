@@ -374,3 +374,41 @@ async def test_large_host_copies_are_exact_on_any_number_of_threads(threads):
         got = [torch.empty_like(chunk) for chunk in chunks]
         assert await cache.get_chunks(keys, got) == [True] * 12
         assert all(same_bytes(a, b) for a, b in zip(got, chunks, strict=True))
+
+
+async def test_tensors_with_a_strided_last_axis_are_copied_in_one_batch(layout, monkeypatch):
+    # Neither `kv` nor `out` can be seen as host bytes (their last axis is strided), so
+    # their chunks go through the device-copy path: one batch per call, exact.
+    import kvtiers._endpoints as endpoints
+
+    batches: list[int] = []
+    copy_pairs = endpoints.copy_pairs
+
+    async def counting(stream, pairs, host_copy):
+        batches.append(len(pairs))
+        await copy_pairs(stream, pairs, host_copy)
+
+    monkeypatch.setattr(endpoints, "copy_pairs", counting)
+    tokens = list(range(4 * layout.chunk_size))
+    kv = make_kv(layout, len(tokens)).transpose(3, 4).contiguous().transpose(3, 4)
+    out = torch.zeros_like(kv).transpose(3, 4).contiguous().transpose(3, 4)
+    async with TieredCache.from_config(make_config()) as cache:
+        assert await cache.store(tokens, kv) == len(tokens)
+        assert (await cache.load(tokens, out=out)).shape[2] == len(tokens)
+    assert same_bytes(out, kv)
+    assert batches == [4, 4]
+
+
+@pytest.mark.gpu
+async def test_gpu_kv_moves_through_pinned_dram_in_one_batch_per_call(layout):
+    # DRAM on top, the caller's KV on the GPU: chunks cross in one batch on a side stream,
+    # ordered after the kernels that produced `kv` (queued on the current stream).
+    tokens = list(range(4 * layout.chunk_size))
+    want = make_kv(layout, len(tokens))
+    kv = torch.zeros_like(want, device="cuda")
+    kv.add_(want.cuda())  # still queued on the current stream when store starts
+    out = torch.full_like(kv, 7)
+    async with TieredCache.from_config(make_config()) as cache:
+        assert await cache.store(tokens, kv) == len(tokens)
+        assert (await cache.load(tokens, out=out)).shape[2] == len(tokens)
+    assert same_bytes(out.cpu(), want)

@@ -16,8 +16,8 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.gpu._streams import CopyStream, Event, until_done, wait_event
-from kvtiers.gpu.paged import host_bytes, host_tensor
+from kvtiers.gpu._streams import CopyStream, Event, copy_pairs, wait_event
+from kvtiers.gpu.paged import host_tensor
 from kvtiers.tiers.base import Buffer, HostCopy, copy_serially
 from kvtiers.tiers.blocks import BlockTier
 
@@ -185,33 +185,9 @@ class HBMTier(BlockTier[torch.Tensor]):
             TierIOError: a copy failed on the device.
         """
         self._ensure_open()
-        stream = self._stream
-        assert stream is not None  # set by _open
-        if not pairs:
-            return
-
-        def copy() -> None:
-            host: list[tuple[Buffer, Buffer]] = []
-            with stream.use():
-                for dst, src in pairs:
-                    both = _host_pair(dst, src)
-                    if both is not None:
-                        host.append(both)
-                    else:
-                        # NOTE: non_blocking is safe for every pair: the stream is
-                        # synchronised before anyone reads a destination.
-                        dst.copy_(src, non_blocking=True)
-                self._host_copy(host)
-                stream.synchronize()
-
+        assert self._stream is not None  # set by _open
         try:
-            if stream.is_cuda:
-                # NOTE: from this thread, whose current stream carries the caller's work on
-                # its tensors (kernels still writing a source, or reading a destination).
-                stream.wait_current()
-                await until_done(asyncio.get_running_loop().run_in_executor(None, copy))
-            else:
-                copy()
+            await copy_pairs(self._stream, pairs, self._host_copy)
         except (RuntimeError, ValueError) as exc:
             raise TierIOError(f"hbm tier {self.name!r}: copy failed: {exc}") from exc
 
@@ -291,21 +267,6 @@ def _parse_device(value: object, where: str) -> torch.device:
             f"{where}.device: {describe(value)} is not a CUDA device such as 'cuda:0'"
         )
     return device if device.type == "cpu" or device.index is not None else torch.device("cuda", 0)
-
-
-def _host_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[Buffer, Buffer] | None:
-    """Return both sides as host bytes of one shape, or `None` (a device side, or no view).
-
-    NOTE: host-to-host pairs (the CPU seam) are copied with NumPy, not torch's `copy_`,
-    which spreads over its intra-op threads: into memory not touched before, that ran 30x
-    slower on a 2-vCPU VM (48 MiB: 340-400 ms against 8-12 ms), the page faults contending.
-    """
-    if dst.is_cuda or src.is_cuda:
-        return None
-    a, b = host_bytes(dst), host_bytes(src)
-    if a is None or b is None or a.shape != b.shape:
-        return None
-    return a, b
 
 
 def _to_host(block: torch.Tensor, dst: Buffer) -> None:
