@@ -154,13 +154,15 @@ class TensorSink(Sink):
         # docstring inherited
         # NOTE: waves come from tiers that read into host buffers, never from HBM blocks.
         size, part = self._layout.chunk_size, slice(layers.start, layers.stop)
+        device: list[TensorPair] = []
         for idx, view in zip(idxs, views, strict=True):
             dst = self.direct(idx)
             if dst is not None and isinstance(view, np.ndarray):
                 _copy_layers(dst, view, layers, self._layout)
             else:
                 src = payload_tensor(self._layout, view)[part]
-                self._out[part].narrow(2, idx * size, size).copy_(src)
+                device.append((self._out[part].narrow(2, idx * size, size), src))
+        await self._copies.device(device)
 
 
 class TensorSource(Source):
@@ -239,6 +241,7 @@ class ChunkSink(Sink):
     async def deliver_layers(self, idxs: list[int], views: Sequence[View], layers: range) -> None:
         # docstring inherited
         part = slice(layers.start, layers.stop)
+        device: list[TensorPair] = []
         for idx, view in zip(idxs, views, strict=True):
             dst = self._bytes[idx]
             if dst is not None and isinstance(view, np.ndarray):
@@ -246,7 +249,8 @@ class ChunkSink(Sink):
             else:
                 target = self._dsts[idx]
                 assert isinstance(target, torch.Tensor)
-                target[part].copy_(payload_tensor(self._layout, view)[part])
+                device.append((target[part], payload_tensor(self._layout, view)[part]))
+        await self._copies.device(device)
 
 
 def _copy_layers(dst: Buffer, view: Buffer, layers: range, layout: KVLayout) -> None:

@@ -284,3 +284,17 @@ def test_explain_says_whether_layer_reads_are_on(tmp_path: Path, capsys) -> None
         "layer_reads)",
         "  layer reads off (the default here; see layer_reads)",
     ]
+
+
+async def test_waves_into_an_out_with_a_strided_last_axis_are_exact(tmp_path: Path) -> None:
+    # Such an `out` has no host-bytes view: each wave's chunks are copied as tensors, in
+    # one batch per wave.
+    kv = make_kv(layout(), 96)
+    config = cfg(remote(tmp_path))
+    async with TieredCache.from_config(config) as cache:
+        await cache.store(TOKENS, kv)
+        await cache.flush()
+        out = torch.zeros_like(kv).transpose(3, 4).contiguous().transpose(3, 4)
+        calls = Calls(out, kv)
+        assert same_bytes(await cache.load(TOKENS, out=out, on_layers=calls), kv)
+        assert calls.calls == [(1, 96), (3, 96), (8, 96)] and all(calls.exact)
