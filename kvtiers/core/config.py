@@ -290,13 +290,10 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> CacheConf
 
 
 def _key(key: object) -> str:
-    """Return a config key as a message names it."""
-    return key if isinstance(key, str) and len(key) <= _MAX_KEY_SHOWN else describe(key)
-
-
-def _printable_key(key: object) -> str:
-    """Return a config key as a message names it, quoted if it has a line break or such."""
-    return _key(key) if isinstance(key, str) and key.isprintable() else describe(key)
+    """Return a config key as a message names it: quoted if long, or with a line break."""
+    if isinstance(key, str) and len(key) <= _MAX_KEY_SHOWN and key.isprintable():
+        return key
+    return describe(key)
 
 
 def _parse(data: Mapping[str, Any]) -> CacheConfig:
@@ -318,7 +315,7 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"layout: expected a table, got {describe(raw)}")
         known = sorted(f.name for f in dataclasses.fields(KVLayout))
-        unknown = sorted(map(_printable_key, set(raw) - set(known)))
+        unknown = sorted(map(_key, set(raw) - set(known)))
         if unknown:  # named here, as every other key is (`KVLayout` shows it raw)
             raise ConfigError(
                 f"layout.{unknown[0]}: unknown key; expected one of {', '.join(known)}"
@@ -397,6 +394,4 @@ def _check_misspelt(raw: Mapping[Any, Any], where: str) -> None:
             continue
         near = difflib.get_close_matches(key, missing, n=1, cutoff=_NEAR_MISS)
         if near:
-            raise ConfigError(
-                f"{where}.{_printable_key(key)}: unknown key; did you mean {near[0]!r}?"
-            )
+            raise ConfigError(f"{where}.{_key(key)}: unknown key; did you mean {near[0]!r}?")

@@ -492,7 +492,11 @@ def test_junk_anywhere_is_a_config_error_or_kept(path: tuple[Any, ...], value: A
 @settings(max_examples=200, deadline=None)
 @given(extra=st.dictionaries(st.text(max_size=10), _junk, min_size=1, max_size=3))
 def test_unknown_top_level_keys_are_named(extra: dict[str, Any]) -> None:
-    unknown = sorted(set(extra) - set(_VALID))
+    # A key is named as it is, or quoted when long or unprintable (a message is one line).
+    def shown(key: str) -> str:
+        return key if len(key) <= 60 and key.isprintable() else checks.describe(key)
+
+    unknown = sorted(shown(key) for key in set(extra) - set(_VALID))
     data = {**_VALID, **extra}
     if not unknown:
         return
@@ -668,3 +672,21 @@ def test_an_unknown_key_past_the_digit_limit_is_named(where: str) -> None:
         match="^" + re.escape(prefix) + r"<an integer of about [\d,]+ digits>: unknown key",
     ):
         load_config(data)
+
+
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"metrics": {"\n": None}}, "metrics.'\\n'"),  # found by the test above
+        ({"a\nb": 1}, "'a\\nb'"),
+        ({"layout": {"x\ty": 1}}, "layout.'x\\ty'"),
+    ],
+)
+def test_an_unknown_key_with_a_line_break_is_named_on_one_line(
+    extra: dict[str, Any], where: str
+) -> None:
+    config = {"tiers": [{"kind": "dram", "capacity": "1MiB"}], **extra}
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    message = str(info.value)
+    assert message.startswith(f"{where}: unknown key") and "\n" not in message
