@@ -58,13 +58,9 @@ class BlockTier(Tier, Generic[ViewT]):
     def block_view(self, block_id: int) -> ViewT:
         """Return the 1-D uint8 view of one block."""
 
-    def _reclaim(self) -> None:
-        """Give back blocks held for work that has since finished (a hook; no-op here)."""
-
     @property
     def num_free_chunks(self) -> int:
         """Blocks free now."""
-        self._reclaim()
         return self._pool.num_free_blocks
 
     @property
