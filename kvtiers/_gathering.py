@@ -78,10 +78,8 @@ class Gatherer(WriteQueues):
             done[i] = True
         if hits:
             self._retry_failed([keys[i] for i in hits])
-        counters = top.tier.counters
-        counters.hits += len(hits)
-        counters.misses += len(keys) - len(hits)
-        counters.bytes_read += len(hits) * self._layout.chunk_bytes
+        num_hits = len(hits)
+        top.tier.counters.read(num_hits, len(keys) - num_hits, num_hits * self._layout.chunk_bytes)
         if top.policy is not None:
             # NOTE: deepest chunk first, so a prefix is always more recent than its suffix.
             for i in reversed(hits):
@@ -96,6 +94,7 @@ class Gatherer(WriteQueues):
         done: list[bool],
     ) -> None:
         todo_keys = [keys[i] for i in todo]
+        kept: set[int] = set()  # chunks the tier returned that could not be copied up
         if self._memtop is None:
             found = await self._get_rest(slot, keys, todo, sink)
         else:
@@ -109,10 +108,14 @@ class Gatherer(WriteQueues):
                 # NOTE: the chunks that got a top-tier block and the rest are read at once,
                 # so a load waits for one round of calls to this tier (one deadline of a
                 # remote tier), not two in a row.
-                promoted, rest_found = await asyncio.gather(
+                (held, landed), rest_found = await asyncio.gather(
                     self._get_into(slot, todo_keys[:num], res.views, sink, todo[:num]),
                     self._get_rest(slot, keys, todo[num:], sink),
                 )
+                promoted = held if landed else [False] * num
+                if not landed:
+                    # NOTE: the tier still holds these chunks; only the copy up failed.
+                    kept = {todo[j] for j, flag in enumerate(held) if flag}
                 res.keep[:] = promoted
                 hit = [j for j, flag in enumerate(promoted) if flag]
                 if sink is not None:
@@ -129,7 +132,7 @@ class Gatherer(WriteQueues):
             if flag:
                 done[i] = True
                 self._index.add(keys, i, slot.idx)
-            else:
+            elif i not in kept:
                 self._drop(slot, keys[i])
 
     async def _get_rest(
@@ -211,19 +214,22 @@ class Gatherer(WriteQueues):
         views: Sequence[View],
         sink: Sink | None = None,
         idxs: list[int] | None = None,
-    ) -> list[bool]:
+    ) -> tuple[list[bool], bool]:
         """Read chunks from `slot` into top-tier block views.
 
         Host views (DRAM on top) are read into directly. HBM blocks are filled in one batch
         of copies on the HBM tier's stream: from a host block tier's (DRAM's) own blocks,
         pinned for the copy, or else from a stage the tier reads into.
+
+        Returns:
+            Per key, whether the tier holds the chunk, and whether the copies into the
+            views landed (if not, no view holds a chunk).
         """
         if not keys:
-            return []
-        default = [False] * len(keys)
+            return [], True
         host = [v for v in views if isinstance(v, np.ndarray)]
         if len(host) == len(views):
-            return await self._read(slot, keys, host, sink, idxs or [])
+            return await self._read(slot, keys, host, sink, idxs or []), True
         blocks = cast(list[torch.Tensor], views)
         if isinstance(slot.tier, MemoryTier):
             return await self._promote_blocks(slot.tier, keys, blocks)
@@ -231,20 +237,23 @@ class Gatherer(WriteQueues):
         # promotion into HBM took 12-270 ms instead of 12-15). One call to the tier all the
         # same, however large the batch: a load waits for one round of it.
         with self._stages.take(len(keys)) as stage:
+            default = [False] * len(keys)
             found = await self._call(slot, "get", slot.tier.get(keys, list(stage)), default)
             pairs = [
                 (block, torch.from_numpy(row))
                 for row, block, flag in zip(stage, blocks, found, strict=True)
                 if flag
             ]
-            if not await self._copy_blocks(pairs, "put"):
-                return default
-        return found
+            return found, await self._copy_blocks(pairs, "put")
 
     async def _promote_blocks(
         self, tier: MemoryTier, keys: list[ChunkKey], blocks: list[torch.Tensor]
-    ) -> list[bool]:
-        """Copy chunks from a host block tier's blocks into HBM blocks: one copy each."""
+    ) -> tuple[list[bool], bool]:
+        """Copy chunks from a host block tier's blocks into HBM blocks: one copy each.
+
+        Returns:
+            As `_get_into`.
+        """
         start = time.perf_counter()
         async with tier.pinned(keys) as srcs:
             pairs = [
@@ -253,14 +262,11 @@ class Gatherer(WriteQueues):
                 if src is not None
             ]
             copied = await self._copy_blocks(pairs, "put")
-        found = [copied and src is not None for src in srcs]
-        hits = sum(found)
-        counters = tier.counters
-        counters.hits += hits
-        counters.misses += len(keys) - hits
-        counters.bytes_read += hits * self._layout.chunk_bytes
-        counters.observe("get", time.perf_counter() - start)
-        return found
+        held = [src is not None for src in srcs]
+        hits = len(pairs) if copied else 0  # a failed copy is counted against the HBM tier
+        tier.counters.read(hits, len(keys) - len(pairs), hits * self._layout.chunk_bytes)
+        tier.counters.observe("get", time.perf_counter() - start)
+        return held, copied
 
     async def _get_staged(
         self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], sink: Sink | None

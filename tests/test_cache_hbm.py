@@ -155,6 +155,9 @@ async def test_a_failed_block_copy_is_a_miss_and_loses_nothing(tmp_path, layout,
         stats = cache.stats().tiers
         assert stats[0].errors == 3 and stats[0].promotions == 0
         assert cache.pin_count() == 0
+        # The tiers below still hold the chunks, and the index still places them there
+        # (making room in DRAM for the first demotion moved two of them down to LMDB).
+        assert (await cache.locate(prompts[0])).tiers == ("dram", "lmdb", "lmdb")
         hbm.copy_views = copy_views
         assert same_bytes(await cache.load(prompts[0]), kvs[0])
         assert same_bytes(await cache.load(prompts[1]), kvs[1])

@@ -142,6 +142,12 @@ class TierCounters:
     """Durations of the cache's calls to the tier, by operation ("contains", "get", "put",
     "delete")."""
 
+    def read(self, hits: int, misses: int, num_bytes: int) -> None:
+        """Count a read that returned `hits` chunks, `num_bytes` in all, and missed `misses`."""
+        self.hits += hits
+        self.misses += misses
+        self.bytes_read += num_bytes
+
     def fail(self, count: int = 1, *, timed_out: bool = False) -> None:
         """Count `count` failed requests that were served as misses or declined."""
         self.errors += count

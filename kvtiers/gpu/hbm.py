@@ -117,9 +117,8 @@ class HBMTier(BlockTier[torch.Tensor]):
             await self.copy_views(pairs)
         for dst, host in unaligned:
             np.copyto(dst, host.numpy())
-        self.counters.hits += len(hits)
-        self.counters.misses += len(keys) - len(hits)
-        self.counters.bytes_read += len(hits) * self.layout.chunk_bytes
+        num_hits = len(hits)
+        self.counters.read(num_hits, len(keys) - num_hits, num_hits * self.layout.chunk_bytes)
         return [v is not None for v in views]
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:

@@ -94,9 +94,7 @@ class MemoryTier(BlockTier[Buffer]):
         ]
         self._host_copy(pairs)
         hits = len(pairs)
-        self.counters.hits += hits
-        self.counters.misses += len(found) - hits
-        self.counters.bytes_read += hits * self.layout.chunk_bytes
+        self.counters.read(hits, len(found) - hits, hits * self.layout.chunk_bytes)
         return [b is not None for b in found]
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
