@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Awaitable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -49,11 +49,11 @@ class Gatherer(WriteQueues):
                     plan.setdefault(slot.idx, []).append(i)
                     break
         if len(plan) > 1:
-            await asyncio.gather(
-                *(
+            await _all(
+                [
                     self._gather_from(self._slots[idx], keys, todo, sink, done)
                     for idx, todo in plan.items()
-                )
+                ]
             )
         for slot in lower:
             bit = 1 << slot.idx
@@ -73,7 +73,8 @@ class Gatherer(WriteQueues):
         async with self._memtop.pinned(keys) as views:
             hits = [i for i, view in enumerate(views) if view is not None]
             if sink is not None:
-                await sink.deliver(hits, [view for view in views if view is not None])
+                found = [view for view in views if view is not None]
+                await self._caller_copy(sink.deliver(hits, found), "into")
         for i in hits:
             done[i] = True
         if hits:
@@ -108,9 +109,11 @@ class Gatherer(WriteQueues):
                 # NOTE: the chunks that got a top-tier block and the rest are read at once,
                 # so a load waits for one round of calls to this tier (one deadline of a
                 # remote tier), not two in a row.
-                (held, landed), rest_found = await asyncio.gather(
-                    self._get_into(slot, todo_keys[:num], res.views, sink, todo[:num]),
-                    self._get_rest(slot, keys, todo[num:], sink),
+                (held, landed), rest_found = await _all(
+                    [
+                        self._get_into(slot, todo_keys[:num], res.views, sink, todo[:num]),
+                        self._get_rest(slot, keys, todo[num:], sink),
+                    ]
                 )
                 promoted = held if landed else [False] * num
                 if not landed:
@@ -119,7 +122,8 @@ class Gatherer(WriteQueues):
                 res.keep[:] = promoted
                 hit = [j for j, flag in enumerate(promoted) if flag]
                 if sink is not None:
-                    await sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
+                    delivery = sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
+                    await self._caller_copy(delivery, "into")
             self._record_inserts(top, keys, [todo[j] for j in hit])
             top.tier.counters.promotions += len(hit)
             # Write-through tiers above the source receive what it promoted (an lmdb
@@ -185,23 +189,26 @@ class Gatherer(WriteQueues):
             )
             return await self._call(slot, "get", op, [False] * len(which))
 
+        async def deliver(wave: int, live: list[int]) -> None:
+            part = [idxs[j] for j in live]
+            delivery = sink.deliver_wave(wave, part, [dsts[j] for j in live], in_place=in_place)
+            await self._caller_copy(delivery, "into")
+
         every = list(range(len(keys)))
         first = await read(0, every)
         live = [j for j in every if first[j]]
-        await sink.deliver_wave(
-            0, [idxs[j] for j in live], [dsts[j] for j in live], in_place=in_place
-        )
+        await deliver(0, live)
         # NOTE: later waves ask only for the chunks the first found (a miss or a bad object
         # is not asked for again).
         asked = live
-        async with asyncio.TaskGroup() as group:
-            reads = [group.create_task(read(w, asked)) for w in range(1, len(sink.waves)) if asked]
+        reads = [asyncio.ensure_future(read(w, asked)) for w in range(1, len(sink.waves)) if asked]
+        try:
             for wave, task in enumerate(reads, start=1):
                 got = dict(zip(asked, await task, strict=True))
                 live = [j for j in live if got[j]]
-                await sink.deliver_wave(
-                    wave, [idxs[j] for j in live], [dsts[j] for j in live], in_place=in_place
-                )
+                await deliver(wave, live)
+        finally:
+            await _reap(reads)
         found = list(none)
         for j in live:
             found[j] = True
@@ -280,6 +287,37 @@ class Gatherer(WriteQueues):
                 flags = await self._read(slot, [keys[i] for i in part], bufs, sink, part)
                 hit = [j for j, flag in enumerate(flags) if flag]
                 if sink is not None:
-                    await sink.deliver([part[j] for j in hit], [bufs[j] for j in hit])
+                    delivery = sink.deliver([part[j] for j in hit], [bufs[j] for j in hit])
+                    await self._caller_copy(delivery, "into")
             found.extend(flags)
         return found
+
+
+async def _all(aws: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Await `aws` at once and return their results in order.
+
+    Unlike `asyncio.gather`, nothing outlives the call: when one fails (or the caller is
+    cancelled) the others are cancelled and waited for before the error propagates, since
+    they may still be copying into the caller's memory.
+    """
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _reap(tasks)
+
+
+async def _reap(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Cancel the tasks not done yet and wait for all of them to end.
+
+    Their own errors are dropped: the error that made the caller give up is the one that
+    propagates.
+    """
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()

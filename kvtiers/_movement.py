@@ -6,12 +6,13 @@ write-through queues (`WriteQueues`); see those modules for the invariants it re
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtiers._endpoints import Sink, Source
 from kvtiers._gathering import Gatherer
-from kvtiers._residency import Slot
+from kvtiers._residency import CallerCopyFailed, Slot
 from kvtiers.core.keys import ChunkKey
 
 __all__ = ["Mover", "Slot"]
@@ -133,7 +134,8 @@ class Mover(Gatherer):
         """
         before, drops = self._faults(), self._drops
         done = [False] * len(keys)
-        await self._gather(keys, sink, done)
+        with contextlib.suppress(CallerCopyFailed):  # logged and counted: a shorter load
+            await self._gather(keys, sink, done)
         loaded = _leading(done)
         # NOTE: decided after the fact, with no extra index walk on the hot path: the first
         # chunk not delivered was known if the index still holds it or this load dropped it.
@@ -151,7 +153,8 @@ class Mover(Gatherer):
         """
         done = [False] * len(keys)
         if keys:
-            await self._gather(keys, sink, done)
+            with contextlib.suppress(CallerCopyFailed):  # logged and counted: misses
+                await self._gather(keys, sink, done)
         return done
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -210,14 +213,21 @@ class Mover(Gatherer):
         """Place the chunks of `source` in the top tier and queue write-through copies.
 
         Returns:
-            Chunks that no tier held before.
+            Chunks that no tier held before; of those, only the ones now held when a copy
+            out of `source` failed (the store then ends with what was copied before it).
         """
-        new = await self._count_new(keys)
-        placed = await self._place_top(keys, source)
-        await self._enqueue(keys, placed)
-        return new
+        new = await self._new_chunks(keys)
+        try:
+            await self._place_top(keys, source)
+        except CallerCopyFailed:  # logged and counted; what was copied before it stays
+            new = [i for i in new if self._index.tiers_of(keys[i])]
+        await self._enqueue(
+            keys, [i for i, key in enumerate(keys) if self._index.tiers_of(key) & 1]
+        )
+        return len(new)
 
-    async def _count_new(self, keys: Sequence[ChunkKey]) -> int:
+    async def _new_chunks(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Return the indices of the chunks no tier holds (shared tiers are asked)."""
         unknown = [i for i, key in enumerate(keys) if not self._index.tiers_of(key)]
         elsewhere: set[int] = set()
         for slot in self._shared:
@@ -230,10 +240,10 @@ class Mover(Gatherer):
                     elsewhere.add(i)
                     self._index.add(keys, i, slot.idx)
             unknown = [i for i in unknown if i not in elsewhere]
-        return len(unknown)
+        return unknown
 
-    async def _place_top(self, keys: Sequence[ChunkKey], source: Source) -> list[int]:
-        """Write the chunks missing from the top tier; return the indices it holds now."""
+    async def _place_top(self, keys: Sequence[ChunkKey], source: Source) -> None:
+        """Write the chunks missing from the top tier (those it cannot take, below it)."""
         top = self._slots[0]
         need = [i for i, key in enumerate(keys) if not self._index.tiers_of(key) & 1]
         placed: list[int] = []
@@ -242,14 +252,13 @@ class Mover(Gatherer):
             await self._make_room(top, len(need), protect=set(keys))
             async with self._memtop.reserve([keys[i] for i in need]) as res:
                 placed = need[: len(res.views)]
-                await source.fill(placed, res.views)
+                await self._caller_copy(source.fill(placed, res.views), "out of")
             # NOTE: the chunks held already are touched too, or a prefix loaded (and
             # touched) before its new suffix was inserted would be older than that suffix.
             self._record_inserts(top, keys, placed, touched=held)
         overflow = need[len(placed) :]
         if overflow:
             await self._put_overflow(keys, source, overflow)
-        return [i for i, key in enumerate(keys) if self._index.tiers_of(key) & 1]
 
     async def _put_overflow(
         self, keys: Sequence[ChunkKey], source: Source, idxs: list[int]
@@ -268,7 +277,7 @@ class Mover(Gatherer):
                 await self._place_below(keys, part, direct, start)
                 continue
             with self._stages.take(len(part)) as stage:
-                await source.fill(part, list(stage))
+                await self._caller_copy(source.fill(part, list(stage)), "out of")
                 await self._place_below(keys, part, stage, start)
 
     async def _place_below(

@@ -27,6 +27,7 @@ import torch
 from kvtiers._logs import RateLimitedLog
 from kvtiers._stages import StagePool
 from kvtiers.core.config import TierConfig
+from kvtiers.core.errors import CacheStateError, InvalidInputError
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
@@ -38,7 +39,7 @@ from kvtiers.tiers.base import Buffer, Tier
 from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.dram import MemoryTier
 
-__all__ = ["Residency", "Slot", "View"]
+__all__ = ["CallerCopyFailed", "Residency", "Slot", "View"]
 
 logger = logging.getLogger("kvtiers")
 
@@ -48,6 +49,14 @@ View = Buffer | torch.Tensor
 DIRECT_PUT_BYTES = 4 * 2**20
 """Chunks this big or bigger are put from the caller's contiguous bytes, unstaged."""
 _RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
+
+
+class CallerCopyFailed(Exception):
+    """A copy between the tiers and the caller's memory failed (logged and counted).
+
+    Raised out of a sink's `deliver` or a source's `fill` by `Residency._caller_copy`, and
+    caught where the load or store began, which then ends with what was copied before it.
+    """
 
 
 @dataclass(slots=True, eq=False)
@@ -299,6 +308,31 @@ class Residency:
             tier.counters.evictions += len(victims)
         finally:
             self._evicting.difference_update(victims)
+
+    async def _caller_copy(self, copy: Awaitable[None], what: str) -> None:
+        """Await a sink's delivery or a source's fill; a failure becomes `CallerCopyFailed`.
+
+        Such a copy fails when a device copy does (an HBM tier's, or one into or out of
+        the caller's GPU tensor). It counts as a failure of the top tier, whose blocks or
+        copy stream it used, and is logged; the caller gets a shorter load, or a store of
+        fewer chunks, never the exception. Bad input (a block table naming blocks the
+        engine's KV lacks, say) still raises its `InvalidInputError`.
+        """
+        try:
+            await copy
+        except (InvalidInputError, CacheStateError):
+            raise
+        except Exception as exc:
+            top = self._slots[0].tier
+            self._log.warning(
+                top.name,
+                "kvtiers: copying chunks %s the caller's memory failed (%s); served as misses",
+                what,
+                type(exc).__name__,
+                exc=exc,
+            )
+            top.counters.errors += 1
+            raise CallerCopyFailed(str(exc)) from exc
 
     async def _call(self, slot: Slot, name: str, op: Awaitable[_T], default: _T) -> _T:
         """Await the tier operation `name`, turning a tier failure into `default` (misses).

@@ -164,6 +164,42 @@ async def test_a_failed_block_copy_is_a_miss_and_loses_nothing(tmp_path, layout,
         assert cache.pin_count() == 0
 
 
+def _fail_copies(hbm):
+    async def failing(pairs):
+        raise TierIOError("hbm tier: copy failed: injected")
+
+    hbm.copy_views = failing
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_copies_to_and_from_the_callers_memory_that_fail_are_misses(tmp_path, layout, device):
+    """Loads end short and stores store nothing new; neither raises into the caller."""
+    tokens, kv = list(range(48)), make_kv(layout, 48, seed=7)
+    other = [5000 + t for t in range(48)]
+    async with TieredCache.from_config(_hbm_config(tmp_path, device)) as cache:
+        assert await cache.store(tokens, kv) == 48
+        await cache.flush()  # LMDB (write-through) holds it too
+        hbm = cache.tiers[0]
+        _fail_copies(hbm)
+        assert (await cache.load(tokens)).shape[2] == 0  # HBM hits that cannot be copied out
+        calls = []
+        got = await cache.load(tokens, on_layers=lambda n, t: calls.append((n, t)))
+        assert got.shape[2] == 0 and all(t == 0 for _, t in calls)
+        assert await cache.get_chunks(
+            cache.keys(tokens)[:1], [np.empty(layout.chunk_bytes, np.uint8)]
+        ) == [False]
+        assert await cache.store(other, make_kv(layout, 48, seed=8)) == 0
+        assert await cache.lookup(other) == 0
+        # One error per load; the store's demotion (making room) and its own copy.
+        hbm_stats = cache.stats().tiers[0]
+        assert hbm_stats.errors == 5 and hbm_stats.usage.num_entries == 0
+        assert cache.pin_count() == 0
+        del hbm.copy_views
+        assert same_bytes(await cache.load(tokens), kv)
+        assert await cache.store(other, make_kv(layout, 48, seed=8)) == 48
+        assert cache.pin_count() == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 async def test_key_level_chunks_move_through_hbm_blocks_in_any_host_memory(layout, device):
     # put_chunks / get_chunks with HBM on top: contiguous, permuted and reversed host arrays
