@@ -135,7 +135,11 @@ class Gatherer(WriteQueues):
         for i, flag in zip(todo, found, strict=True):
             if flag:
                 done[i] = True
-                self._index.add(keys, i, slot.idx)
+                # NOTE: only a shared tier's hits teach the index anything. The index knows
+                # the other tiers' chunks exactly, and one this load read may have been
+                # evicted meanwhile (it was read pinned): indexing it again would be a lie.
+                if slot.tier.shared:
+                    self._index.add(keys, i, slot.idx)
             elif i not in kept:
                 self._drop(slot, keys[i])
 

@@ -1,5 +1,8 @@
 """TieredCache under concurrency and cancellation, on real tiers (dram, lmdb, remote file://).
 
+Two stacks put an HBM tier (its CPU seam) on top of dram and lmdb, DRAM written back or
+through from it.
+
 Many tasks store, look up and load overlapping prefixes of a few prompt families at once,
 through tiers far smaller than what is stored, so every tier evicts all the time. The KV of
 a chunk is a function of its key, so every hit is checked byte for byte; afterwards the
@@ -22,6 +25,7 @@ import kvtiers.tiers
 from kvtiers import CacheState, CacheStateError, TieredCache, TierUsage
 from kvtiers.core.keys import ChunkKey
 from kvtiers.tiers.base import TierState
+from kvtiers.tiers.blocks import BlockTier
 from tests.conftest import make_config, make_kv, same_bytes, small_layout
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -29,13 +33,22 @@ pytestmark = pytest.mark.filterwarnings("error")
 LAYOUT = small_layout()
 CS = LAYOUT.chunk_size
 HANG = 30  # seconds: a guard against hangs, never a timing assertion
-STACKS = ["dram", "dram-lmdb", "dram-lmdb_back", "dram-lmdb-remote"]
+STACKS = [
+    "dram",
+    "dram-lmdb",
+    "dram-lmdb_back",
+    "dram-lmdb-remote",
+    "hbm-dram-lmdb",
+    "hbm-dram_through-lmdb",
+]
 
 
 def stack_config(tmp_path: Path, stack: str, *, dram_chunks: int = 4) -> dict[str, Any]:
     """Return a config of `stack`'s tiers, each far smaller than what the tests store.
 
     `lmdb_back`: the lmdb tier is written back (on eviction from DRAM), not through.
+    `hbm`: an HBM tier on its CPU seam on top, DRAM below it written back (`dram_through`:
+    through).
     """
     lmdb_chunks = 12 if "lmdb" in stack else None
     write_policy = "write_back" if "lmdb_back" in stack else "write_through"
@@ -50,6 +63,11 @@ def stack_config(tmp_path: Path, stack: str, *, dram_chunks: int = 4) -> dict[st
                 "capacity": 40 * (LAYOUT.chunk_bytes + 256),  # room for headers
             }
         )
+    if stack.startswith("hbm"):
+        hbm = {"kind": "hbm", "capacity": 3 * LAYOUT.chunk_bytes, "device": "cpu"}
+        cfg["tiers"].insert(0, hbm)
+        if "dram_through" in stack:
+            cfg["tiers"][1]["write_policy"] = "write_through"
     cfg["write_queue_chunks"] = 8  # back-pressure on the store path
     return cfg
 
@@ -135,14 +153,15 @@ def check_accounting(cache: TieredCache) -> None:
     assert cache.pin_count() == 0
     assert not mover._pending and not mover._evicting
     assert cache.stats().write_queue_chunks == 0
-    top = mover._slots[0]
-    dram = top.tier
-    usage = dram.usage()
-    assert usage.num_entries + dram.num_free_chunks == dram.num_chunks
-    assert usage.used_bytes <= usage.capacity_bytes
-    resident = set(dram.resident_keys())
-    assert set(cache._index.keys_in(0)) == resident
-    assert top.policy is not None and set(top.policy.candidates()) == resident
+    for slot in mover._slots:
+        tier = slot.tier
+        if not isinstance(tier, BlockTier):
+            continue
+        usage = tier.usage()
+        assert usage.num_entries + tier.num_free_chunks == tier.num_chunks
+        resident = set(tier.resident_keys())
+        assert set(cache._index.keys_in(slot.idx)) == resident, tier.name
+        assert slot.policy is not None and set(slot.policy.candidates()) == resident
     for slot in mover._slots:
         assert not slot.queued
         usage = slot.tier.usage()
