@@ -1,7 +1,7 @@
 """TieredCache under concurrency and cancellation, on real tiers (dram, lmdb, remote file://).
 
-Two stacks put an HBM tier (its CPU seam) on top of dram and lmdb, DRAM written back or
-through from it.
+Three stacks put an HBM tier (its CPU seam) on top: over dram and lmdb, DRAM written back
+or through from it, and over lmdb and a remote tier, which reads layer-wise loads in waves.
 
 Many tasks store, look up and load overlapping prefixes of a few prompt families at once,
 through tiers far smaller than what is stored, so every tier evicts all the time. The KV of
@@ -40,6 +40,7 @@ STACKS = [
     "dram-lmdb-remote",
     "hbm-dram-lmdb",
     "hbm-dram_through-lmdb",
+    "hbm-lmdb-remote",
 ]
 
 
@@ -48,7 +49,7 @@ def stack_config(tmp_path: Path, stack: str, *, dram_chunks: int = 4) -> dict[st
 
     `lmdb_back`: the lmdb tier is written back (on eviction from DRAM), not through.
     `hbm`: an HBM tier on its CPU seam on top, DRAM below it written back (`dram_through`:
-    through).
+    through), or no DRAM (`hbm-lmdb-remote`).
     """
     lmdb_chunks = 12 if "lmdb" in stack else None
     write_policy = "write_back" if "lmdb_back" in stack else "write_through"
@@ -68,6 +69,8 @@ def stack_config(tmp_path: Path, stack: str, *, dram_chunks: int = 4) -> dict[st
         cfg["tiers"].insert(0, hbm)
         if "dram_through" in stack:
             cfg["tiers"][1]["write_policy"] = "write_through"
+        if "dram" not in stack:
+            del cfg["tiers"][1]
     cfg["write_queue_chunks"] = 8  # back-pressure on the store path
     return cfg
 
@@ -112,7 +115,7 @@ async def one_op(cache: TieredCache, want: Expected, rng: random.Random) -> None
     """Run one random call on `cache` and check what it returns."""
     tokens = random_prompt(rng)
     keys = cache.keys(tokens)
-    op = rng.randrange(8)
+    op = rng.randrange(9)
     if op == 0:
         await cache.store(tokens, want.of(tokens))
     elif op == 1:
@@ -135,8 +138,30 @@ async def one_op(cache: TieredCache, want: Expected, rng: random.Random) -> None
     elif op == 6:
         held = await cache.contains_keys(keys)
         assert 0 <= await cache.lookup_keys(keys) <= len(keys) == len(held)
+    elif op == 7:
+        await layerwise_load(cache, want, tokens)
     elif rng.random() < 0.2:  # rarely: everything goes, under the other calls' feet
         assert await cache.clear() >= 0
+
+
+async def layerwise_load(cache: TieredCache, want: Expected, tokens: list[int]) -> None:
+    """Load `tokens` layer by layer; every report holds exact bytes, and none grows."""
+    out = torch.zeros(LAYOUT.kv_shape(len(tokens)), dtype=torch.float16)
+    reports: list[tuple[int, int]] = []
+    bad: list[tuple[int, int]] = []
+
+    def on_layers(num_layers: int, num_tokens: int) -> None:
+        if reports:
+            assert num_layers > reports[-1][0] and num_tokens <= reports[-1][1]
+        reports.append((num_layers, num_tokens))
+        kv = want.of(tokens)[:num_layers, :, :num_tokens]
+        if not same_bytes(out[:num_layers, :, :num_tokens], kv):
+            bad.append((num_layers, num_tokens))
+
+    got = await cache.load(tokens, out=out, on_layers=on_layers)
+    assert not bad, bad
+    assert same_bytes(got, want.of(tokens)[:, :, : got.shape[2]])
+    assert not reports or got.shape[2] <= reports[-1][1]
 
 
 async def worker(cache: TieredCache, want: Expected, seed: int, num_ops: int) -> None:
