@@ -21,6 +21,7 @@ from kvtiers._streaming import LayerStream
 from kvtiers._writes import WriteQueues
 from kvtiers.core.keys import ChunkKey
 from kvtiers.tiers.base import Buffer
+from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.dram import MemoryTier
 
 __all__ = ["Gatherer"]
@@ -140,7 +141,12 @@ class Gatherer(WriteQueues):
                 # evicted meanwhile (it was read pinned): indexing it again would be a lie.
                 if slot.tier.shared:
                     self._index.add(keys, i, slot.idx)
-            elif i not in kept:
+            elif i not in kept and not (
+                isinstance(slot.tier, BlockTier) and slot.tier.holds(keys[i])
+            ):
+                # NOTE: a miss is as stale as a hit: a chunk evicted from a block tier just
+                # as this load pinned it may be back there (put by a demotion or a write
+                # since, and indexed again by it).
                 self._drop(slot, keys[i])
 
     async def _get_rest(

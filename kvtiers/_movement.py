@@ -29,8 +29,25 @@ def _leading(flags: Sequence[bool]) -> int:
     return count
 
 
+def _faults(slots: Sequence[Slot]) -> tuple[int, int, int, int]:
+    """Return the tiers' running totals of what turns a chunk into a miss.
+
+    Corrupt entries, entries of another layout, failures (tier calls that raised, the
+    tiers' own failed requests to their stores, calls refused by an open breaker), and
+    of those, requests that timed out. A miss reason compares two of these.
+    """
+    corrupt = foreign = failed = timeouts = 0
+    for slot in slots:
+        counters = slot.tier.counters
+        corrupt += counters.corrupt
+        foreign += counters.foreign
+        failed += counters.errors + counters.unavailable
+        timeouts += counters.timeouts
+    return corrupt, foreign, failed, timeouts
+
+
 def _fault_reason(before: tuple[int, ...], after: tuple[int, ...]) -> str | None:
-    """Name what went wrong between two `Residency._faults` totals (`None`: nothing)."""
+    """Name what went wrong between two `_faults` totals (`None`: nothing)."""
     corrupt, foreign, failed, timeouts = (a - b for a, b in zip(after, before, strict=True))
     if corrupt:
         return "corrupt"
@@ -58,10 +75,10 @@ class Mover(Gatherer):
         "salt_mismatch" (a first chunk that `other_salt` says was stored under another
         salt), "never_stored" (nothing known of it).
         """
-        before = self._faults()
+        before = _faults(self._slots)
         num_chunks = await self.longest_prefix(keys)
         if num_chunks < len(keys):
-            reason = _fault_reason(before, self._faults())
+            reason = _fault_reason(before, _faults(self._slots))
             if reason is None:
                 self.reap()  # so that a tier's own eviction counts as "evicted"
                 reason = self._absence_reason(keys[num_chunks], num_chunks == 0, other_salt)
@@ -132,7 +149,7 @@ class Mover(Gatherer):
         layout under the key), "timeout", "tier_unavailable" (as for `lookup`), or else
         "load_short".
         """
-        before, drops = self._faults(), self._drops
+        before, drops = _faults(self._slots), self._drops
         done = [False] * len(keys)
         with contextlib.suppress(CallerCopyFailed):  # logged and counted: a shorter load
             await self._gather(keys, sink, done)
@@ -143,7 +160,7 @@ class Mover(Gatherer):
             self._index.tiers_of(keys[loaded])
             or (self._drops != drops and keys[loaded] in self._evicted)
         ):
-            self.miss_reasons[_fault_reason(before, self._faults()) or "load_short"] += 1
+            self.miss_reasons[_fault_reason(before, _faults(self._slots)) or "load_short"] += 1
         return loaded
 
     async def gather(self, keys: Sequence[ChunkKey], sink: Sink) -> list[bool]:

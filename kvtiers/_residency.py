@@ -131,22 +131,6 @@ class Residency:
         # chunks staged into one reused buffer packs faster than from scattered memory).
         self._direct_puts = layout.chunk_bytes >= DIRECT_PUT_BYTES
 
-    def _faults(self) -> tuple[int, int, int, int]:
-        """Return the tiers' running totals of what turns a chunk into a miss.
-
-        Corrupt entries, entries of another layout, failures (tier calls that raised, the
-        tiers' own failed requests to their stores, calls refused by an open breaker), and
-        of those, requests that timed out. A miss reason compares two of these.
-        """
-        corrupt = foreign = failed = timeouts = 0
-        for slot in self._slots:
-            counters = slot.tier.counters
-            corrupt += counters.corrupt
-            foreign += counters.foreign
-            failed += counters.errors + counters.unavailable
-            timeouts += counters.timeouts
-        return corrupt, foreign, failed, timeouts
-
     def _release_pending(self, key: ChunkKey) -> None:
         self._pending[key] -= 1
         if self._pending[key] <= 0:
@@ -295,11 +279,8 @@ class Residency:
                 async with tier.pinned(victims) as views:
                     held = [(k, v) for k, v in zip(victims, views, strict=True) if v is not None]
                     flags = await self._put(below, [k for k, _ in held], [v for _, v in held])
-                for (key, _), flag in zip(held, flags, strict=True):
-                    if flag:
-                        if self._index.mark(key, below.idx):
-                            self._stored(below, key)
-                        below.tier.counters.demotions += 1
+                landed = [key for (key, _), flag in zip(held, flags, strict=True) if flag]
+                below.tier.counters.demotions += await self._index_copies(below, landed)
             await tier.delete(victims)
             assert slot.policy is not None
             for key in victims:
@@ -308,6 +289,29 @@ class Residency:
             tier.counters.evictions += len(victims)
         finally:
             self._evicting.difference_update(victims)
+
+    async def _index_copies(self, slot: Slot, keys: Sequence[ChunkKey]) -> int:
+        """Index `keys`, which a demotion or a write-through copy just put into `slot`.
+
+        A key the index no longer knows was removed by a `clear` while the copy ran: with
+        no chain left to index it under, it is deleted from the tier again, so no tier keeps
+        a chunk the cache can neither find nor account for.
+
+        Returns:
+            The chunks indexed.
+        """
+        gone: list[ChunkKey] = []
+        for key in keys:
+            if self._index.mark(key, slot.idx):
+                self._stored(slot, key)
+            elif not self._index.tiers_of(key):
+                gone.append(key)
+        if gone:
+            await self._call(slot, "delete", slot.tier.delete(gone), None)
+            if slot.policy is not None:
+                for key in gone:
+                    slot.policy.remove(key)
+        return len(keys) - len(gone)
 
     async def _caller_copy(self, copy: Awaitable[None], what: str) -> None:
         """Await a sink's delivery or a source's fill; a failure becomes `CallerCopyFailed`.

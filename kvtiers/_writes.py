@@ -171,9 +171,8 @@ class WriteQueues(Residency):
                     async with self._memtop.pinned(keys) as views:
                         held = [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
                         flags = await self._put(slot, [k for k, _ in held], [v for _, v in held])
-                    for (key, _), flag in zip(held, flags, strict=True):
-                        if flag and self._index.mark(key, slot.idx):
-                            self._stored(slot, key)
+                    landed = [key for (key, _), flag in zip(held, flags, strict=True) if flag]
+                    await self._index_copies(slot, landed)
                     if _failures(slot) != failures:  # failed, not declined for want of room
                         lost = [k for (k, _), f in zip(held, flags, strict=True) if not f]
                         self._remember_failed(slot, lost)

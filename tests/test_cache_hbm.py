@@ -200,6 +200,80 @@ async def test_copies_to_and_from_the_callers_memory_that_fail_are_misses(tmp_pa
         assert cache.pin_count() == 0
 
 
+async def test_a_chunk_put_back_in_dram_during_a_load_that_missed_it_stays_indexed(
+    tmp_path, layout
+):
+    """A load's stale miss in DRAM does not unindex the chunk a write put back meanwhile.
+
+    The load plans both chunks of a prompt from DRAM; the second is evicted from DRAM just
+    as the load pins it (a miss), and while the load copies the first, the prompt is stored
+    again and its write-through copy puts the second back into DRAM. The load then ends:
+    the index must still place that chunk in DRAM, where it is.
+    """
+    tokens, kv = list(range(32)), make_kv(layout, 32, seed=1)
+    cfg = _hbm_config(tmp_path, "cpu", hbm_chunks=4, write_policy="write_through", dram_chunks=8)
+    async with TieredCache.from_config(cfg) as cache:
+        assert await cache.store(tokens, kv) == 32
+        for c in (1, 2):  # evict the prompt from HBM; DRAM keeps it
+            assert await cache.store([c * 1000 + t for t in range(32)], make_kv(layout, 32)) == 32
+        await cache.flush()
+        hbm, dram = cache.tiers[0], cache.tiers[1]
+        mover, keys = cache._mover, cache.keys(tokens)
+        assert (await cache.locate(tokens)).tiers == ("dram", "dram")
+        pinned = dram.pinned
+
+        class EvictThenPin:
+            """DRAM's `pinned`, once: a real eviction of the second chunk first."""
+
+            def __init__(self, pin_keys):
+                self.pin_keys = pin_keys
+
+            async def __aenter__(self):
+                del dram.pinned
+                await mover._evict(mover._slots[1], dram, [keys[1]])
+                self.inner = pinned(self.pin_keys)
+                return await self.inner.__aenter__()
+
+            async def __aexit__(self, *exc):
+                return await self.inner.__aexit__(*exc)
+
+        async def store_again_then_copy(pairs):
+            del hbm.copy_views
+            assert await cache.store(tokens, kv) == 0
+            await cache.flush()  # the write-through copy puts the second chunk back in DRAM
+            assert keys[1] in dram.resident_keys()
+            await hbm.copy_views(pairs)
+
+        dram.pinned, hbm.copy_views = EvictThenPin, store_again_then_copy
+        assert same_bytes(await cache.load(tokens), kv)
+        assert set(cache._index.keys_in(1)) == set(dram.resident_keys())
+        assert (await cache.locate(tokens)).tiers[1] in ("hbm", "dram")
+        assert cache.pin_count() == 0
+
+
+async def test_a_demotion_that_lands_after_a_clear_leaves_nothing_behind(tmp_path, layout):
+    """A chunk a clear removed meanwhile is not left in DRAM, unindexed, by its demotion."""
+    first, other = list(range(48)), [5000 + t for t in range(48)]
+    async with TieredCache.from_config(_hbm_config(tmp_path, "cpu")) as cache:
+        assert await cache.store(first, make_kv(layout, 48, seed=1)) == 48
+        await cache.flush()
+        hbm, dram = cache.tiers[0], cache.tiers[1]
+        cleared = []
+
+        async def clear_then_copy(pairs):
+            del hbm.copy_views
+            cleared.append(await cache.clear())
+            await hbm.copy_views(pairs)
+
+        hbm.copy_views = clear_then_copy
+        await cache.store(other, make_kv(layout, 48, seed=2))  # demotes the first prompt
+        await cache.flush()
+        assert cleared and cleared[0] > 0
+        assert set(cache._index.keys_in(1)) == set(dram.resident_keys())
+        assert set(cache._mover._slots[1].policy.candidates()) == set(dram.resident_keys())
+        assert cache.pin_count() == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 async def test_key_level_chunks_move_through_hbm_blocks_in_any_host_memory(layout, device):
     # put_chunks / get_chunks with HBM on top: contiguous, permuted and reversed host arrays

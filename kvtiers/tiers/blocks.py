@@ -73,6 +73,10 @@ class BlockTier(Tier, Generic[ViewT]):
         block_id = self._blocks.get(key)
         return block_id is not None and self._pool.pin_count(block_id) > 0
 
+    def holds(self, key: ChunkKey) -> bool:
+        """Return whether `key` is resident now."""
+        return key in self._blocks
+
     def resident_keys(self) -> list[ChunkKey]:
         """Return the keys held now."""
         return list(self._blocks)
