@@ -276,6 +276,9 @@ async def read_logs(store: ObjectStore, listing: Listing) -> list[dict[bytes, fl
     ]
 
 
+_CHANGES_KEPT = 65_536  # keys whose last change a check in flight compares against
+
+
 @dataclass(slots=True)
 class _Entry:
     size: int
@@ -293,6 +296,11 @@ class Catalog:
     def __init__(self) -> None:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self.used_bytes = 0
+        self.changes = 0
+        """Objects added or removed so far: a check of the store notes it as it begins."""
+        # NOTE: a dict as a bounded insertion-ordered map: the oldest change goes first.
+        self._changed: dict[bytes, int] = {}
+        """Per key changed lately, `changes` just after its last change."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -307,9 +315,10 @@ class Catalog:
 
     def add(self, key: bytes, size: int, now: float) -> None:
         """Record an object as present and most recently used."""
-        self.remove(key)
+        self._pop(key)
         self._entries[key] = _Entry(size, now)
         self.used_bytes += size
+        self._note_change(key)
 
     def touch(self, keys: Sequence[bytes], now: float) -> None:
         """Make the known `keys` the most recently used, the last key the oldest of them."""
@@ -322,17 +331,37 @@ class Catalog:
 
     def remove(self, key: bytes) -> bool:
         """Forget `key`'s object; return whether it was known."""
+        self._note_change(key)
+        return self._pop(key)
+
+    def _pop(self, key: bytes) -> bool:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.used_bytes -= entry.size
         return entry is not None
 
-    def learn(self, keys: Sequence[bytes], sizes: Sequence[int | None], now: float) -> None:
+    def _note_change(self, key: bytes) -> None:
+        self.changes += 1
+        changed = self._changed
+        changed.pop(key, None)
+        changed[key] = self.changes
+        if len(changed) > _CHANGES_KEPT:
+            del changed[next(iter(changed))]
+
+    def learn(
+        self, keys: Sequence[bytes], sizes: Sequence[int | None], now: float, since: int
+    ) -> None:
         """Record what a check of the store found: per key, its object's size or `None`.
 
         An object found is known from now on (if it was not); one found absent is forgotten.
+        `since` is `changes` when the check began: a key this process added or removed
+        meanwhile is left as it is, since the check may have seen the store before that
+        (a read that began before a delete would bring the deleted object back).
         """
+        changed = self._changed
         for key, size in zip(keys, sizes, strict=True):
+            if changed.get(key, 0) > since:
+                continue
             if size is None:
                 self.remove(key)
             elif key not in self._entries:

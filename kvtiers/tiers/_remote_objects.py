@@ -72,28 +72,30 @@ class ChunkObjects:
         keys: Sequence[ChunkKey],
         found: Sequence[tuple[Verdict | None, int]],
         now: float,
+        since: int,
         deadline: float = math.inf,
         *,
         tally: bool = True,
     ) -> None:
         """Count a batch's reads, record its hits' recency, delete its bad objects.
 
-        `found` holds each key's verdict (`None`: not read) and object size. The deletes
-        are waited for until `deadline` (`time.monotonic()`), then left to run. With
-        `tally` off, hits and misses are not counted (a later wave of a layer-wise load).
+        `found` holds each key's verdict (`None`: not read) and object size; `since` is
+        the catalog's `changes` when the reads began. The deletes are waited for until
+        `deadline` (`time.monotonic()`), then left to run. With `tally` off, hits and
+        misses are not counted (a later wave of a layer-wise load).
         """
         counters = self._counters
-        hit_keys, bad = [], []
+        hit_keys, hit_sizes, bad = [], [], []
         for key, (verdict, size) in zip(keys, found, strict=True):
             if verdict is Verdict.OK:
                 hit_keys.append(key)
-                if key not in self._catalog:
-                    self._catalog.add(key, size, now)
+                hit_sizes.append(size)
             elif verdict is not None:
                 bad.append(key)
                 counters.corrupt += verdict in (Verdict.CORRUPT, Verdict.FORGED)
                 counters.forged += verdict is Verdict.FORGED
                 counters.foreign += verdict is Verdict.FOREIGN
+        self._catalog.learn(hit_keys, hit_sizes, now, since)
         if tally:
             counters.hits += len(hit_keys)
             counters.misses += len(keys) - len(hit_keys)
@@ -116,6 +118,7 @@ class ChunkObjects:
     ) -> bytes | memoryview | None:
         """Read one object whole (`ahead`: local objects to hint to the kernel first)."""
         path = path or object_path(self.namespace, key)
+        since = self._catalog.changes
         raw: bytes | memoryview | None
         try:
             # NOTE: one byte more than a valid object holds, so a longer one shows as such.
@@ -128,7 +131,7 @@ class ChunkObjects:
             self._counters.fail(timed_out=exc.timed_out)
             return None
         if raw is None:
-            self._catalog.remove(key)
+            self._catalog.learn([key], [None], 0.0, since)
         return raw
 
     async def read_layers(
@@ -143,6 +146,7 @@ class ChunkObjects:
         if self._codec.auth_key is None:
             known = self._headers.get(key)
             path = object_path(self.namespace, key)
+            since = self._catalog.changes
             ranges = list(plan.ranges) if known is None else plan.run_ranges(known)
             try:
                 parts = await self._store.cat_ranges(path, ranges)
@@ -150,7 +154,7 @@ class ChunkObjects:
                 self._counters.fail(timed_out=exc.timed_out)
                 return None
             if parts is None:
-                self._catalog.remove(key)
+                self._catalog.learn([key], [None], 0.0, since)
                 return None
             if known is not None:
                 got = None if (p := plan.verify_runs(known, parts)) is None else (known, p)

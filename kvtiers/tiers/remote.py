@@ -175,6 +175,7 @@ class RemoteTier(Tier):
             return [False] * len(keys)
         if self._list_for_contains(len(keys)):
             return await self._contains_by_listing(keys)
+        since = self._catalog.changes
         infos, late = await self._stragglers.within(
             self._store.read_timeout, [self._objects.info(key) for key in keys], False
         )
@@ -184,7 +185,7 @@ class RemoteTier(Tier):
             int(i.get("size") or self.value_bytes) if isinstance(i, dict) else None
             for _, i in known
         ]
-        self._catalog.learn([key for key, _ in known], sizes, self.clock())
+        self._catalog.learn([key for key, _ in known], sizes, self.clock(), since)
         return [bool(info) for info in infos]
 
     def _list_for_contains(self, num_keys: int) -> bool:
@@ -200,13 +201,14 @@ class RemoteTier(Tier):
         )
 
     async def _contains_by_listing(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        since = self._catalog.changes
         try:
             listing = await scan(self._store, self.namespace, logs=False)
         except StoreUnavailable as exc:
             self.counters.fail(timed_out=exc.timed_out)
             return [False] * len(keys)
         objs = [listing.objects.get(key) for key in keys]
-        self._catalog.learn(keys, [o.size if o else None for o in objs], self.clock())
+        self._catalog.learn(keys, [o.size if o else None for o in objs], self.clock(), since)
         return [obj is not None for obj in objs]
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
@@ -219,6 +221,7 @@ class RemoteTier(Tier):
             self.counters.unavailable += bool(keys)
             return [False] * len(keys)
         deadline = time.monotonic() + self._store.read_timeout
+        since = self._catalog.changes
 
         async def judge(i: int, raw: bytes | memoryview | None) -> tuple[Verdict | None, int]:
             found = await self._codec.judge(keys[i], raw, dsts[i])
@@ -242,7 +245,7 @@ class RemoteTier(Tier):
         )
         self.counters.fail(late, timed_out=True)
         hits = [verdict is Verdict.OK for verdict, _ in found]
-        await self._objects.after_read(keys, found, self.clock(), deadline)
+        await self._objects.after_read(keys, found, self.clock(), since, deadline)
         self.counters.bytes_read += sum(hits) * self.layout.chunk_bytes
         return hits
 
@@ -354,6 +357,7 @@ class RemoteTier(Tier):
             self.counters.unavailable += bool(keys)
             return [False] * len(keys)
         deadline = time.monotonic() + self._store.read_timeout
+        since = self._catalog.changes
         got, late = await self._stragglers.within(
             self._store.read_timeout, [self._objects.read_layers(key, plan) for key in keys], None
         )
@@ -362,7 +366,7 @@ class RemoteTier(Tier):
             self._codec.deliver_layers(k, g, plan, d)
             for k, g, d in zip(keys, got, dsts, strict=True)
         )
-        await self._objects.after_read(keys, found, self.clock(), deadline, tally=tally)
+        await self._objects.after_read(keys, found, self.clock(), since, deadline, tally=tally)
         hits = [verdict is Verdict.OK for verdict, _ in found]
         self.counters.bytes_read += sum(hits) * len(plan.layers) * self.layout.layer_bytes
         return hits

@@ -580,10 +580,42 @@ def test_catalog_learns_what_a_check_found() -> None:
     catalog = Catalog()
     catalog.add(b"a" * 16, 10, now=1.0)
     catalog.add(b"b" * 16, 20, now=2.0)
-    catalog.learn([b"a" * 16, b"b" * 16, b"c" * 16], [99, None, 30], now=5.0)
+    since = catalog.changes
+    catalog.learn([b"a" * 16, b"b" * 16, b"c" * 16], [99, None, 30], now=5.0, since=since)
     assert b"a" * 16 in catalog and catalog.size_of(b"a" * 16) == 10  # known: kept as it was
     assert b"b" * 16 not in catalog  # found absent: forgotten
     assert catalog.size_of(b"c" * 16) == 30 and catalog.used_bytes == 40
+
+
+def test_catalog_keeps_what_changed_while_a_check_was_in_flight() -> None:
+    catalog = Catalog()
+    catalog.add(b"a" * 16, 10, now=1.0)
+    since = catalog.changes  # a check begins: it sees "a" stored and "b" absent
+    catalog.remove(b"a" * 16)  # meanwhile deleted,
+    catalog.add(b"b" * 16, 20, now=2.0)  # and written
+    catalog.learn([b"a" * 16, b"b" * 16, b"c" * 16], [10, None, 30], now=3.0, since=since)
+    assert b"a" * 16 not in catalog and catalog.size_of(b"b" * 16) == 20
+    assert catalog.size_of(b"c" * 16) == 30 and catalog.used_bytes == 50
+
+
+async def test_a_read_across_a_delete_does_not_bring_the_object_back(tmp_path) -> None:
+    # The read began before the delete and found the object; it must not re-enter the
+    # catalog (the tier would count bytes, and evict for room, that no object holds).
+    async with make_tier(f"file://{tmp_path}/pool") as tier:
+        assert await tier.put(keys(2), payloads(2)) == [True, True]
+        fetch = tier._objects.fetch
+
+        async def fetch_then_delete(key, *args):
+            raw = await fetch(key, *args)
+            await tier.delete([key])
+            return raw
+
+        tier._objects.fetch = fetch_then_delete
+        assert await tier.get(keys(1), dsts(1)) == [True]  # read before the delete
+        del tier._objects.fetch
+        assert tier.usage().num_entries == 1
+        assert tier.usage().used_bytes == tier.value_bytes
+        assert await tier.contains(keys(2)) == [False, True]
 
 
 def test_breaker_opens_probes_and_closes() -> None:
