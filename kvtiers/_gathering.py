@@ -20,6 +20,7 @@ from kvtiers._residency import Slot, View
 from kvtiers._streaming import LayerStream
 from kvtiers._writes import WriteQueues
 from kvtiers.core.keys import ChunkKey
+from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers.base import Buffer
 from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.dram import MemoryTier
@@ -326,8 +327,10 @@ async def _reap(tasks: Sequence[asyncio.Future[Any]]) -> None:
     pending = [task for task in tasks if not task.done()]
     for task in pending:
         task.cancel()
-    if pending:
-        await asyncio.wait(pending)
+    # NOTE: not `asyncio.wait`: a second cancellation of the caller would end that wait
+    # while the branches still copy into its memory.
+    if pending and await wait_out(pending):
+        raise asyncio.CancelledError
     for task in tasks:
         if not task.cancelled():
             task.exception()

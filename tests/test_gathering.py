@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from kvtiers._gathering import _all
+from kvtiers.tiers._cancellation import wait_out
 
 
 async def test_all_returns_results_in_order() -> None:
@@ -53,3 +54,33 @@ async def test_cancelling_the_caller_waits_for_every_branch() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sorted(ended) == [0, 1]
+
+
+async def test_a_cancellation_during_the_clean_up_still_waits_for_every_branch() -> None:
+    # One branch fails; the other is cancelled and waits out its own work (a read into
+    # the caller's memory). Cancelling the caller meanwhile must not end that wait early.
+    release = asyncio.Event()
+    ended: list[str] = []
+
+    async def reading() -> None:
+        work = asyncio.ensure_future(release.wait())
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await wait_out([work])
+            ended.append("reading")
+            raise
+
+    async def failing() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("copy failed")
+
+    task = asyncio.ensure_future(_all([reading(), failing()]))
+    await asyncio.sleep(0.03)  # the failure is in, the clean-up waits for `reading`
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done() and ended == []
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended == ["reading"]

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from kvtiers.gpu.paged import host_bytes
+from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers.base import Buffer, HostCopy
 
 __all__ = ["DONE", "CopyStream", "Event", "copy_pairs", "until_done", "wait_event"]
@@ -146,16 +147,8 @@ async def until_done(work: Awaitable[None]) -> None:
     released when this returns, so a block must not be given back while a copy still
     reads or writes it. `work`'s own error is raised once it has ended.
     """
-    # NOTE: `asyncio.wait` never cancels what it waits for, so the copy's completion stays
-    # observable after our own await is cancelled.
     task = asyncio.ensure_future(work)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.wait((task,))
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
+    if await wait_out((task,)):
         raise asyncio.CancelledError
     task.result()
 

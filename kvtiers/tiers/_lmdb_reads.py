@@ -20,6 +20,7 @@ from kvtiers.core.errors import CacheStateError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers._layers import layer_pieces, write_layers
 from kvtiers.tiers.base import Buffer
 
@@ -49,7 +50,7 @@ async def run_jobs(
         results = await asyncio.shield(asyncio.gather(*futs, return_exceptions=True))
     except asyncio.CancelledError:
         cancel.set()
-        await asyncio.wait(futs)
+        await wait_out(futs)
         raise
     for result in results:
         if isinstance(result, lmdb.Error):

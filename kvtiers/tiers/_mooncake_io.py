@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers._pool_options import MooncakeOptions
 
 __all__ = [
@@ -155,7 +156,7 @@ class StoreCalls:
         try:
             done, _ = await asyncio.wait({fut}, timeout=self.timeout)
         except asyncio.CancelledError:
-            await asyncio.wait({fut}, timeout=self.timeout)
+            await wait_out({fut}, self.timeout)
             raise
         if not done:
             raise TimeoutError(f"a store call took longer than {self.timeout:g} s")

@@ -20,6 +20,7 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._remote_layers import LayerPlan, Pieces, write_layers
@@ -145,5 +146,5 @@ class ObjectCodec:
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            await asyncio.wait({fut})
+            await wait_out({fut})
             raise

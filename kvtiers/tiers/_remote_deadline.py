@@ -21,6 +21,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from kvtiers.tiers._cancellation import wait_out
+
 __all__ = ["Stragglers"]
 
 _T = TypeVar("_T")
@@ -54,7 +56,7 @@ class Stragglers:
         try:
             done, pending = await asyncio.wait(tasks, timeout=seconds)
         except asyncio.CancelledError:
-            await asyncio.wait(tasks)
+            await wait_out(tasks)
             raise
         for task in pending:
             self._tasks.add(task)
@@ -104,9 +106,8 @@ class Stragglers:
                             then(index[task], task.result())
                         )
         except asyncio.CancelledError:
-            await asyncio.wait(tasks)
-            if follow:
-                await asyncio.wait(follow.values())
+            await wait_out(tasks)
+            await wait_out(follow.values())
             raise
         for task in pending:
             self._tasks.add(task)  # type: ignore[arg-type]  # a Task: ensure_future of a coroutine
@@ -116,7 +117,7 @@ class Stragglers:
             try:
                 await asyncio.shield(asyncio.wait(follow.values()))
             except asyncio.CancelledError:
-                await asyncio.wait(follow.values())
+                await wait_out(follow.values())
                 raise
         errors += [e for fut in follow.values() if (e := fut.exception()) is not None]
         if errors:

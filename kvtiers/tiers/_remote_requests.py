@@ -22,6 +22,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers._remote_breaker import (
     BreakerState,
     CircuitBreaker,
@@ -140,7 +141,7 @@ class RequestRunner:
             done, _ = await asyncio.wait({fut}, timeout=timeout)
         except asyncio.CancelledError:
             # Started: let it end (within its timeout) so that its effect is accounted.
-            await asyncio.wait({fut}, timeout=timeout)
+            await wait_out({fut}, timeout)
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._succeeded()
                 if on_success is not None:

@@ -19,6 +19,7 @@ from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _lmdb_format as fmt
+from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers._chunk_format import count_verdicts
 from kvtiers.tiers._integrity import auth_key_from_config
 from kvtiers.tiers._layers import check_layers
@@ -109,7 +110,7 @@ class LMDBTier(Tier):
         try:
             env, self._dbs = await asyncio.shield(fut)
         except BaseException:
-            await asyncio.wait({fut})
+            await wait_out({fut})
             if not fut.cancelled() and fut.exception() is None:
                 fut.result()[0].close()  # opened after all, but this open was cancelled
             pool.shutdown(wait=False)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,34 @@ def keys(num: int, seed: int = 0) -> list[bytes]:
 async def put_and_close(path: Path, ks: list[bytes], srcs: list[np.ndarray]) -> None:
     async with LMDBTier(make_config(path), SMALL_LAYOUT) as tier:
         assert await tier.put(ks, srcs) == [True] * len(ks)
+
+
+async def test_a_get_cancelled_twice_still_waits_for_its_reads(tmp_path: Path) -> None:
+    # A load's branches are cancelled once by asyncio.gather and again by the load's
+    # clean-up; the read thread must be done with the destinations before the call ends
+    # (they are reserved blocks or a stage, reused at once).
+    async with LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT) as tier:
+        assert await tier.put(keys(2), payloads(2)) == [True, True]
+        started, release = threading.Event(), threading.Event()
+        read_batch = tier._reader.read_batch
+
+        def blocked(*args: Any) -> Any:
+            started.set()
+            release.wait(10)
+            return read_batch(*args)
+
+        tier._reader.read_batch = blocked  # type: ignore[method-assign]
+        out = [np.zeros(SMALL_LAYOUT.chunk_bytes, np.uint8) for _ in range(2)]
+        task = asyncio.ensure_future(tier.get(keys(2), out))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        for _ in range(2):
+            task.cancel()
+            await asyncio.sleep(0.02)
+        assert not task.done()  # still waiting for the thread
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 # -- integrity -------------------------------------------------------------------------------
