@@ -113,12 +113,8 @@ class Stragglers:
             self._tasks.add(task)  # type: ignore[arg-type]  # a Task: ensure_future of a coroutine
             task.add_done_callback(self._reap)  # type: ignore[arg-type]
         self.abandoned += len(pending)
-        if follow:
-            try:
-                await asyncio.shield(asyncio.wait(follow.values()))
-            except asyncio.CancelledError:
-                await wait_out(follow.values())
-                raise
+        if await wait_out(follow.values()):
+            raise asyncio.CancelledError
         errors += [e for fut in follow.values() if (e := fut.exception()) is not None]
         if errors:
             raise errors[0]
