@@ -367,13 +367,23 @@ class Catalog:
             elif key not in self._entries:
                 self.add(key, size, now)
 
-    def reset(self, objects: Iterable[StoredObject]) -> None:
-        """Replace the contents with a scan's `objects`, oldest access first."""
+    def reset(self, objects: Iterable[StoredObject], since: int) -> None:
+        """Replace the contents with a scan's `objects`, oldest access first.
+
+        `since` is `changes` when the scan began: a key this process added or removed
+        meanwhile stays as it is (the listing may predate the change), the most recent.
+        """
+        changed = self._changed
+        recent = {k: e for k, e in self._entries.items() if changed.get(k, 0) > since}
         self._entries.clear()
         self.used_bytes = 0
         for obj in sorted(objects, key=lambda o: o.last_access):
-            self._entries[obj.key] = _Entry(obj.size, obj.last_access)
-            self.used_bytes += obj.size
+            if changed.get(obj.key, 0) <= since:
+                self._entries[obj.key] = _Entry(obj.size, obj.last_access)
+                self.used_bytes += obj.size
+        for key, entry in recent.items():
+            self._entries[key] = entry
+            self.used_bytes += entry.size
 
     def victims(self, need: int, capacity: int, keep: set[bytes]) -> list[bytes]:
         """Return the least recently used keys to delete so that `need` more bytes fit."""

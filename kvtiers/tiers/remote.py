@@ -399,11 +399,11 @@ class RemoteTier(Tier):
         return True
 
     async def _scan(self, retries: int | None = None) -> None:
-        now = self.clock()
+        now, since = self.clock(), self._catalog.changes
         sweep = await self._scanner.sweep(self.namespace, now, retries=retries)
         if sweep is None:
             return  # the store failed (logged): things stay as they were
         self.counters.evictions += len(sweep.expired)
         self._note_evicted(sweep.expired)
-        self._catalog.reset(sweep.kept)
+        self._catalog.reset(sweep.kept, since)
         await self._evict(self._catalog.victims(0, self.capacity_bytes, keep=set()))

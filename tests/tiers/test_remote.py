@@ -618,6 +618,30 @@ async def test_a_read_across_a_delete_does_not_bring_the_object_back(tmp_path) -
         assert await tier.contains(keys(2)) == [False, True]
 
 
+async def test_a_scan_across_a_delete_and_a_put_keeps_what_they_did(tmp_path) -> None:
+    # The scan listed the namespace before this process deleted one object and wrote
+    # another: its listing must neither bring the deleted one back nor drop the new one.
+    async with make_tier(f"file://{tmp_path}/pool") as tier:
+        ks, ps = keys(3), payloads(3)
+        assert await tier.put(ks[:2], ps[:2]) == [True, True]
+        sweep = tier._scanner.sweep
+
+        async def sweep_then_change(*args, **kwargs):
+            found = await sweep(*args, **kwargs)
+            await tier.delete(ks[:1])
+            assert await tier.put(ks[2:], ps[2:]) == [True]
+            return found
+
+        tier._scanner.sweep = sweep_then_change
+        await tier._scan()
+        del tier._scanner.sweep
+        assert [key in tier._catalog for key in ks] == [False, True, True]
+        assert tier.usage().used_bytes == 2 * tier.value_bytes
+        await tier._scan()  # a scan that began after both agrees
+        assert [key in tier._catalog for key in ks] == [False, True, True]
+        assert await tier.contains(ks) == [False, True, True]
+
+
 def test_breaker_opens_probes_and_closes() -> None:
     now = [0.0]
     breaker = CircuitBreaker(failures=2, cooldown=5.0, clock=lambda: now[0])
