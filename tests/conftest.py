@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,30 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     )
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--schedule-seeds",
+        default="",
+        metavar="SPEC",
+        help=(
+            "seeds of the concurrency schedules (tests/test_cache_concurrency.py): "
+            "comma-separated seeds, or random:N for N fresh ones; a hunt for races "
+            "(docs/reliability.md). Default: the fixed seeds."
+        ),
+    )
+
+
+def schedule_seeds(config: pytest.Config, default: list[int]) -> list[int]:
+    """Return the seeds `--schedule-seeds` asks for, or `default`."""
+    spec = str(config.getoption("schedule_seeds")).strip()
+    if not spec:
+        return default
+    if spec.startswith("random:"):
+        draw = random.SystemRandom()
+        return [draw.randrange(2**32) for _ in range(int(spec.removeprefix("random:")))]
+    return [int(part) for part in spec.split(",")]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

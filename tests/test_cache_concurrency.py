@@ -26,7 +26,7 @@ from kvtiers import CacheState, CacheStateError, TieredCache, TierUsage
 from kvtiers.core.keys import ChunkKey
 from kvtiers.tiers.base import TierState
 from kvtiers.tiers.blocks import BlockTier
-from tests.conftest import make_config, make_kv, same_bytes, small_layout
+from tests.conftest import make_config, make_kv, same_bytes, schedule_seeds, small_layout
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -42,6 +42,14 @@ STACKS = [
     "hbm-dram_through-lmdb",
     "hbm-lmdb-remote",
 ]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Give `schedule_seed` the fixed seeds of each schedule, or `--schedule-seeds`."""
+    if "schedule_seed" in metafunc.fixturenames:
+        default = [0, 1] if "cancelled" in metafunc.function.__name__ else [0]
+        seeds = schedule_seeds(metafunc.config, default)
+        metafunc.parametrize("schedule_seed", seeds, ids=[f"seed{s}" for s in seeds])
 
 
 def stack_config(tmp_path: Path, stack: str, *, dram_chunks: int = 4) -> dict[str, Any]:
@@ -207,14 +215,17 @@ async def check_everything_loads_right(cache: TieredCache, want: Expected) -> No
 
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("eviction", ["lru", "arc", "2q"])
-async def test_concurrent_overlapping_calls_serve_exact_bytes(tmp_path, stack, eviction):
+async def test_concurrent_overlapping_calls_serve_exact_bytes(
+    tmp_path, stack, eviction, schedule_seed
+):
     cfg = stack_config(tmp_path, stack)
+    seeds = range(12 * schedule_seed, 12 * schedule_seed + 12)
     cfg["tiers"][0]["eviction"] = eviction
 
     async def run() -> None:
         async with TieredCache.from_config(cfg) as cache:
             want = Expected(cache)
-            await asyncio.gather(*(worker(cache, want, seed, 25) for seed in range(12)))
+            await asyncio.gather(*(worker(cache, want, seed, 25) for seed in seeds))
             await cache.flush()
             check_accounting(cache)
             await check_everything_loads_right(cache, want)
@@ -257,9 +268,8 @@ async def cancel_at_random(aw: Awaitable[None], rng: random.Random) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
-@pytest.mark.parametrize("seed", [0, 1])
-async def test_calls_cancelled_anywhere_leave_a_sound_cache(tmp_path, stack, seed):
-    rng = random.Random(seed)
+async def test_calls_cancelled_anywhere_leave_a_sound_cache(tmp_path, stack, schedule_seed):
+    rng = random.Random(schedule_seed)
 
     async def run() -> None:
         async with TieredCache.from_config(stack_config(tmp_path, stack)) as cache:
