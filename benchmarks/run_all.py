@@ -23,6 +23,7 @@ from benchmarks._common import Result, machine_info, print_machine, print_report
 BENCHMARKS = (
     "bench_keys",
     "bench_lookup",
+    "bench_shared_lookup",
     "bench_dram",
     "bench_hbm",  # on the HBM tier's CPU seam without CUDA
     "bench_lmdb",

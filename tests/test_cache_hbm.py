@@ -214,7 +214,8 @@ async def test_a_chunk_put_back_in_dram_during_a_load_that_missed_it_stays_index
     cfg = _hbm_config(tmp_path, "cpu", hbm_chunks=4, write_policy="write_through", dram_chunks=8)
     async with TieredCache.from_config(cfg) as cache:
         assert await cache.store(tokens, kv) == 32
-        for c in (1, 2):  # evict the prompt from HBM; DRAM keeps it
+        for c in (1, 2):  # evict the prompt from HBM (once written through); DRAM keeps it
+            await cache.flush()
             assert await cache.store([c * 1000 + t for t in range(32)], make_kv(layout, 32)) == 32
         await cache.flush()
         hbm, dram = cache.tiers[0], cache.tiers[1]

@@ -100,6 +100,38 @@ class MapGate:
                 self._leave()
             return
 
+    @contextlib.contextmanager
+    def try_read(self, db: lmdb._Database) -> Iterator[lmdb.Transaction[memoryview] | None]:
+        """Yield a read transaction that began without waiting, or `None`.
+
+        `None` where `begin` could wait: a remap is under way (it waits for every
+        transaction of the process), or beginning needs one (the map grew) or a reader
+        slot freed. For a caller that must not block, the event loop: it goes the slow way.
+        """
+        # NOTE: a remap holds the lock while it runs: not even the check may wait for it.
+        free = self._cond.acquire(blocking=False)
+        if free:
+            try:
+                free = not (self._remapping or self._closed)
+                if free:
+                    self._active += 1
+            finally:
+                self._cond.release()
+        txn = None
+        if free:
+            try:
+                txn = self.env.begin(db=db, buffers=True)
+            except lmdb.Error:
+                self._leave()
+        if txn is None:
+            yield None
+            return
+        try:
+            yield txn
+        finally:
+            txn.abort()
+            self._leave()
+
     def close(self) -> None:
         """Close the environment once this process's transactions end; refuse new ones."""
         with self._cond:

@@ -602,3 +602,74 @@ async def test_values_with_layer_checksums_are_read_too(tmp_path: Path) -> None:
         assert await tier.get_layers(ks, [1], [part], tally=False) == [True]
         assert np.array_equal(part[step:], srcs[0][step:]) and not part[:step].any()
         assert tier.counters.hits == 1  # the second read did not count
+
+
+# -- contains on the event loop ----------------------------------------------------------
+
+
+async def test_a_contains_answers_on_the_loop_and_falls_back_to_the_pool(tmp_path: Path) -> None:
+    # A small contains reads `seqs` on the loop; a large one, and one whose inline read
+    # fails, go through the thread pool, with the same answers.
+    async with LMDBTier(make_config(tmp_path / "db", num_chunks=256), SMALL_LAYOUT) as tier:
+        ks = keys(100)
+        assert await tier.put(ks[:50], payloads(50)) == [True] * 50
+        want = [True] * 50 + [False] * 50
+        pooled = []
+        run = tier._run
+
+        async def counting(jobs):
+            pooled.append(len(jobs))
+            return await run(jobs)
+
+        tier._run = counting
+        assert await tier.contains(ks[45:55]) == want[45:55]
+        assert pooled == []  # answered on the loop
+        assert await tier.contains(ks) == want
+        assert pooled == [1]  # more keys than run inline
+        begin = tier._gate.env.begin
+
+        def failing_begin(**kwargs):
+            raise lmdb.ReadersFullError("no reader slot")
+
+        tier._gate.env = _EnvWith(tier._gate.env, begin=failing_begin)
+        assert tier._contains_inline(ks[:4]) is None
+        tier._gate.env = tier._gate.env.inner
+        assert tier._gate.env.begin == begin
+        assert await tier.contains(ks[:4]) == [True] * 4
+
+
+class _EnvWith:
+    """An lmdb environment with some methods replaced."""
+
+    def __init__(self, inner: Any, **methods: Any) -> None:
+        self.inner = inner
+        self.__dict__.update(methods)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_contains_during_a_remap_waits_off_the_loop(tmp_path: Path) -> None:
+    # A remap waits for every transaction of the process and holds new ones back: a
+    # contains then waits in the thread pool, and the loop goes on meanwhile.
+    async with LMDBTier(make_config(tmp_path / "db"), SMALL_LAYOUT) as tier:
+        ks = keys(3)
+        assert await tier.put(ks[:2], payloads(2)) == [True, True]
+        started, release = threading.Event(), threading.Event()
+
+        def remap() -> bool:
+            started.set()
+            release.wait(10)  # a guard: a blocked loop would stall the test this long
+            return False
+
+        remapper = threading.Thread(target=tier._gate._alone, args=(remap,))
+        remapper.start()
+        started.wait()
+        try:
+            answer = asyncio.ensure_future(tier.contains(ks))
+            await asyncio.sleep(0.05)
+            assert not answer.done()  # waiting in the pool, not on the loop
+        finally:
+            release.set()
+        assert await answer == [True, True, False]
+        await asyncio.to_thread(remapper.join)
