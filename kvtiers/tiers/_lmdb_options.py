@@ -21,9 +21,12 @@ __all__ = [
     "LMDBOptions",
     "check_length",
     "open_env",
+    "writemap_hint",
 ]
 
 _MIB = 2**20
+# NOTE: from values this large on, writemap wrote about twice as fast (docs/benchmarks.md).
+_WRITEMAP_HINT_BYTES = 4 * _MIB
 # NOTE: py-lmdb refuses more than 2**31 - 1 readers when the environment opens; refused
 # at load, so the config's error names the field.
 _MAX_READERS = 2**31 - 1
@@ -188,3 +191,13 @@ def _open_lmdb(options: LMDBOptions, map_size: int) -> lmdb.Environment:
         sync=options.sync,
         metasync=options.sync,
     )
+
+
+def writemap_hint(options: LMDBOptions, chunk_bytes: int) -> list[str]:
+    """Return `kvtiers explain`'s hint to turn `writemap` on, where it would pay."""
+    if options.writemap or chunk_bytes < _WRITEMAP_HINT_BYTES:
+        return []
+    return [
+        "  hint        writemap = true writes chunks this large about twice as fast",
+        "              (the map's file is then allocated whole, to its map size, at open)",
+    ]

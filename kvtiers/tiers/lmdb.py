@@ -26,16 +26,14 @@ from kvtiers.tiers._layers import check_layers
 from kvtiers.tiers._lmdb_format import Databases, Writer
 from kvtiers.tiers._lmdb_gate import MapGate, map_size_over, reader_pins_pages
 from kvtiers.tiers._lmdb_health import WriteHealth
-from kvtiers.tiers._lmdb_options import LMDBOptions, open_env
-from kvtiers.tiers._lmdb_reads import ValueReader, run_jobs
+from kvtiers.tiers._lmdb_options import LMDBOptions, open_env, writemap_hint
+from kvtiers.tiers._lmdb_reads import ValueReader, keys_present, keys_present_now, run_jobs
 from kvtiers.tiers._lmdb_writes import PendingTouches, ValuePacker, record_touches, store_new
 from kvtiers.tiers.base import Buffer, Tier, check_keys
 
 __all__ = ["LMDBOptions", "LMDBTier"]
 
 _T = TypeVar("_T")
-# NOTE: from values this large on, writemap wrote about twice as fast (docs/benchmarks.md).
-_WRITEMAP_HINT_BYTES = 4 * 2**20
 _INLINE_KEYS = 64  # a `contains` of this many keys at most runs on the event loop
 logger = logging.getLogger("kvtiers")
 
@@ -199,33 +197,18 @@ class LMDBTier(Tier):
         # docstring inherited
         self._ensure_open()
         check_keys(keys)
-        if len(keys) <= _INLINE_KEYS:
-            found = self._contains_inline(keys)
-            if found is not None:
+        if len(keys) <= _INLINE_KEYS:  # on the loop, unless that could block
+            gate, dbs = self._handles()
+            if (found := keys_present_now(gate, dbs.seqs, keys)) is not None:
                 return found
         return (await self._run([functools.partial(self._contains, keys)]))[0]
-
-    def _contains_inline(self, keys: Sequence[ChunkKey]) -> list[bool] | None:
-        """Answer `contains` on the caller's thread; `None` if that could block.
-
-        NOTE: a few lookups in `seqs` (a few bytes a key, its pages in the page cache once
-        used) take microseconds, where a round trip to the thread pool took 250 us on a
-        2-vCPU VM. A transaction that would wait for a remap, or an error, is `None`: the
-        pool then answers, or raises the `TierIOError`.
-        """
-        gate, dbs = self._handles()
-        try:
-            with gate.try_read(dbs.seqs) as txn:
-                return None if txn is None else [txn.get(key) is not None for key in keys]
-        except lmdb.Error:
-            return None
 
     def _contains(self, keys: Sequence[ChunkKey], cancel: threading.Event) -> list[bool]:
         gate, dbs = self._handles()
         # NOTE: `seqs` holds every stored key with a few bytes; asking `chunks` would fault
         # in each whole value (see `_lmdb_format`), a read from the disk when it is cold.
         with gate.begin(db=dbs.seqs) as txn:
-            return [txn.get(key) is not None for key in keys]
+            return keys_present(txn, keys)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
@@ -435,9 +418,4 @@ class LMDBTier(Tier):
 
     def explain_lines(self) -> list[str]:
         """Return what `kvtiers explain` shows of this tier beyond its config."""
-        if self.options.writemap or self.layout.chunk_bytes < _WRITEMAP_HINT_BYTES:
-            return []
-        return [
-            "  hint        writemap = true writes chunks this large about twice as fast",
-            "              (the map's file is then allocated whole, to its map size, at open)",
-        ]
+        return writemap_hint(self.options, self.layout.chunk_bytes)

@@ -19,6 +19,7 @@ from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.layout import KVLayout
 from kvtiers.testing.tiers import SMALL_LAYOUT, TierTests
 from kvtiers.tiers._lmdb_format import pack_value, value_bytes
+from kvtiers.tiers._lmdb_reads import keys_present_now
 from kvtiers.tiers.lmdb import LMDBTier
 
 lmdb = pytest.importorskip("lmdb")
@@ -632,10 +633,11 @@ async def test_a_contains_answers_on_the_loop_and_falls_back_to_the_pool(tmp_pat
             raise lmdb.ReadersFullError("no reader slot")
 
         tier._gate.env = _EnvWith(tier._gate.env, begin=failing_begin)
-        assert tier._contains_inline(ks[:4]) is None
+        assert keys_present_now(tier._gate, tier._dbs.seqs, ks[:4]) is None
         tier._gate.env = tier._gate.env.inner
         assert tier._gate.env.begin == begin
         assert await tier.contains(ks[:4]) == [True] * 4
+        assert pooled == [1]
 
 
 class _EnvWith:
