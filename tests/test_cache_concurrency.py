@@ -1,7 +1,9 @@
-"""TieredCache under concurrency and cancellation, on real tiers (dram, lmdb, remote file://).
+"""TieredCache under concurrency and cancellation, on real tiers.
 
-Three stacks put an HBM tier (its CPU seam) on top: over dram and lmdb, DRAM written back
-or through from it, and over lmdb and a remote tier, which reads layer-wise loads in waves.
+The tiers: dram, lmdb, remote (file://), and redis and mooncake pools on the tests' own
+servers. Three stacks put an HBM tier (its CPU seam) on top: over dram and lmdb, DRAM
+written back or through from it, and over lmdb and a remote tier, which reads layer-wise
+loads in waves.
 
 Many tasks store, look up and load overlapping prefixes of a few prompt families at once,
 through tiers far smaller than what is stored, so every tier evicts all the time. The KV of
@@ -27,7 +29,9 @@ from kvtiers.core.keys import ChunkKey
 from kvtiers.tiers.base import TierState
 from kvtiers.tiers.blocks import BlockTier
 from tests.conftest import make_config, make_kv, same_bytes, schedule_seeds, small_layout
+from tests.tiers.servers import mooncake_cluster, redis_server, unique_prefix
 
+__all__ = ["mooncake_cluster", "redis_server"]  # fixtures, imported to be found here
 pytestmark = pytest.mark.filterwarnings("error")
 
 LAYOUT = small_layout()
@@ -41,6 +45,8 @@ STACKS = [
     "hbm-dram-lmdb",
     "hbm-dram_through-lmdb",
     "hbm-lmdb-remote",
+    "dram-redis",
+    "dram-mooncake",
 ]
 
 
@@ -52,12 +58,28 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("schedule_seed", seeds, ids=[f"seed{s}" for s in seeds])
 
 
-def stack_config(tmp_path: Path, stack: str, *, dram_chunks: int = 4) -> dict[str, Any]:
+def pool_tier(request: pytest.FixtureRequest, stack: str) -> dict[str, Any] | None:
+    """Return the pool tier of a `redis` or `mooncake` stack (its server a fixture's)."""
+    capacity = 40 * (LAYOUT.chunk_bytes + 256)  # room for headers
+    if stack.endswith("redis"):
+        server = request.getfixturevalue("redis_server")
+        return {"kind": "redis", "url": server.url, "prefix": unique_prefix(), "capacity": capacity}
+    if stack.endswith("mooncake"):
+        cluster = request.getfixturevalue("mooncake_cluster")
+        pool = {"kind": "mooncake", "master": cluster.master, "segment_size": 0}
+        return {**pool, "prefix": unique_prefix(), "capacity": capacity}
+    return None
+
+
+def stack_config(
+    tmp_path: Path, stack: str, *, dram_chunks: int = 4, request: pytest.FixtureRequest
+) -> dict[str, Any]:
     """Return a config of `stack`'s tiers, each far smaller than what the tests store.
 
     `lmdb_back`: the lmdb tier is written back (on eviction from DRAM), not through.
     `hbm`: an HBM tier on its CPU seam on top, DRAM below it written back (`dram_through`:
-    through), or no DRAM (`hbm-lmdb-remote`).
+    through), or no DRAM (`hbm-lmdb-remote`). `redis`, `mooncake`: that pool tier below
+    DRAM, on the session's server.
     """
     lmdb_chunks = 12 if "lmdb" in stack else None
     write_policy = "write_back" if "lmdb_back" in stack else "write_through"
@@ -79,6 +101,8 @@ def stack_config(tmp_path: Path, stack: str, *, dram_chunks: int = 4) -> dict[st
             cfg["tiers"][1]["write_policy"] = "write_through"
         if "dram" not in stack:
             del cfg["tiers"][1]
+    if (pool := pool_tier(request, stack)) is not None:
+        cfg["tiers"].append(pool)
     cfg["write_queue_chunks"] = 8  # back-pressure on the store path
     return cfg
 
@@ -216,9 +240,9 @@ async def check_everything_loads_right(cache: TieredCache, want: Expected) -> No
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("eviction", ["lru", "arc", "2q"])
 async def test_concurrent_overlapping_calls_serve_exact_bytes(
-    tmp_path, stack, eviction, schedule_seed
+    request, tmp_path, stack, eviction, schedule_seed
 ):
-    cfg = stack_config(tmp_path, stack)
+    cfg = stack_config(tmp_path, stack, request=request)
     seeds = range(12 * schedule_seed, 12 * schedule_seed + 12)
     cfg["tiers"][0]["eviction"] = eviction
 
@@ -237,11 +261,11 @@ async def test_concurrent_overlapping_calls_serve_exact_bytes(
 
 
 @pytest.mark.parametrize("stack", STACKS)
-async def test_the_same_chunks_stored_at_once_are_held_once(tmp_path, stack):
+async def test_the_same_chunks_stored_at_once_are_held_once(request, tmp_path, stack):
     tokens = prompt(1, 1, 3)
 
     async def run() -> None:
-        async with TieredCache.from_config(stack_config(tmp_path, stack)) as cache:
+        async with TieredCache.from_config(stack_config(tmp_path, stack, request=request)) as cache:
             want = Expected(cache)
             kv = want.of(tokens)
             stored = await asyncio.gather(*(cache.store(tokens, kv) for _ in range(8)))
@@ -268,11 +292,13 @@ async def cancel_at_random(aw: Awaitable[None], rng: random.Random) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
-async def test_calls_cancelled_anywhere_leave_a_sound_cache(tmp_path, stack, schedule_seed):
+async def test_calls_cancelled_anywhere_leave_a_sound_cache(
+    request, tmp_path, stack, schedule_seed
+):
     rng = random.Random(schedule_seed)
 
     async def run() -> None:
-        async with TieredCache.from_config(stack_config(tmp_path, stack)) as cache:
+        async with TieredCache.from_config(stack_config(tmp_path, stack, request=request)) as cache:
             want = Expected(cache)
             for _ in range(40):
                 ops = [one_op(cache, want, random.Random(rng.random())) for _ in range(4)]
@@ -296,9 +322,9 @@ def assert_closed(cache: TieredCache) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
-async def test_close_with_calls_in_flight_finishes_them_then_refuses(tmp_path, stack):
+async def test_close_with_calls_in_flight_finishes_them_then_refuses(request, tmp_path, stack):
     async def run() -> None:
-        cache = TieredCache.from_config(stack_config(tmp_path, stack))
+        cache = TieredCache.from_config(stack_config(tmp_path, stack, request=request))
         await cache.open()
         want = Expected(cache)
         calls = [asyncio.ensure_future(worker(cache, want, seed, 5)) for seed in range(8)]
@@ -318,9 +344,9 @@ async def test_close_with_calls_in_flight_finishes_them_then_refuses(tmp_path, s
 
 
 @pytest.mark.parametrize("stack", STACKS)
-async def test_concurrent_closes_both_wait_for_the_tiers(tmp_path, stack):
+async def test_concurrent_closes_both_wait_for_the_tiers(request, tmp_path, stack):
     async def run() -> None:
-        cache = TieredCache.from_config(stack_config(tmp_path, stack))
+        cache = TieredCache.from_config(stack_config(tmp_path, stack, request=request))
         await cache.open()
         want = Expected(cache)
         tokens = prompt(2, 0, 6)
@@ -336,9 +362,9 @@ async def test_concurrent_closes_both_wait_for_the_tiers(tmp_path, stack):
 
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("turns", [0, 1, 3, 8])
-async def test_a_cancelled_close_still_closes_the_tiers(tmp_path, stack, turns):
+async def test_a_cancelled_close_still_closes_the_tiers(request, tmp_path, stack, turns):
     async def run() -> None:
-        cfg = stack_config(tmp_path, stack, dram_chunks=32)
+        cfg = stack_config(tmp_path, stack, dram_chunks=32, request=request)
         cfg["write_queue_chunks"] = 2  # stores wait on full queues
         cache = TieredCache.from_config(cfg)
         await cache.open()
