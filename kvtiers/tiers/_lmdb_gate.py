@@ -107,18 +107,12 @@ class MapGate:
         `None` where `begin` could wait: a remap is under way (it waits for every
         transaction of the process), or beginning needs one (the map grew) or a reader
         slot freed. For a caller that must not block, the event loop: it goes the slow way.
+
+        Raises:
+            lmdb.Error: the environment is closed.
         """
-        # NOTE: a remap holds the lock while it runs: not even the check may wait for it.
-        free = self._cond.acquire(blocking=False)
-        if free:
-            try:
-                free = not (self._remapping or self._closed)
-                if free:
-                    self._active += 1
-            finally:
-                self._cond.release()
         txn = None
-        if free:
+        if self._enter(wait=False):
             try:
                 txn = self.env.begin(db=db, buffers=True)
             except lmdb.Error:
@@ -140,13 +134,22 @@ class MapGate:
                 self._cond.wait()
             self.env.close()
 
-    def _enter(self) -> None:
-        with self._cond:
+    def _enter(self, wait: bool = True) -> bool:
+        """Count a transaction in; without `wait`, return `False` where that would wait."""
+        # NOTE: a remap holds the lock while it runs: not even the check may wait for it.
+        if not self._cond.acquire(blocking=wait):
+            return False
+        try:
             while self._remapping:
+                if not wait:
+                    return False
                 self._cond.wait()
             if self._closed:
                 raise lmdb.Error("the environment is closed")
             self._active += 1
+            return True
+        finally:
+            self._cond.release()
 
     def _leave(self) -> None:
         with self._cond:
