@@ -15,6 +15,7 @@ import torch
 
 from kvtiers._activity import Activity, tracked
 from kvtiers._cascade import build_slots
+from kvtiers._config_source import PROBE_LAYOUT, check_args, config_of, naming_file
 from kvtiers._endpoints import Copies, TensorSink, TensorSource
 from kvtiers._host_copies import HostCopier, default_copy_threads
 from kvtiers._keyed import KeyLevelAPI, Salt
@@ -25,7 +26,7 @@ from kvtiers._salts import SaltWitness
 from kvtiers._streaming import OnLayers, load_layerwise
 from kvtiers._tally import CallTally
 from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
-from kvtiers.core.config import CacheConfig, load_config
+from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import CacheStateError, ConfigError
 from kvtiers.core.events import EventQueue
 from kvtiers.core.index import LookupResult, PrefixIndex
@@ -74,7 +75,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         layout: KVLayout | None = None,
         registry: TierRegistry | None = None,
     ) -> None:
-        _check_args(config, layout, registry)
+        check_args(config, layout, registry)
         layout = layout or config.layout
         if layout is None:
             raise ConfigError("layout: required; give a [layout] table or a KVLayout")
@@ -122,13 +123,9 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         Raises:
             ConfigError: the config is invalid; the message names the field.
         """
-        config = source if isinstance(source, CacheConfig) else load_config(source)
-        try:
+        config = config_of(source)
+        with naming_file(source):
             return cls(config, layout=layout, registry=registry)
-        except ConfigError as exc:
-            if isinstance(source, str | os.PathLike):
-                raise ConfigError(f"{exc} (in {os.fspath(source)!s})") from exc
-            raise
 
     @classmethod
     def check_tiers(
@@ -151,13 +148,9 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
             ConfigError: the config or a tier is invalid; the message names the field and,
                 for a file, ends with `(in PATH)`.
         """
-        config = source if isinstance(source, CacheConfig) else load_config(source)
-        try:
-            cls(config, layout=_PROBE_LAYOUT, registry=registry)
-        except ConfigError as exc:
-            if isinstance(source, str | os.PathLike):
-                raise ConfigError(f"{exc} (in {os.fspath(source)!s})") from exc
-            raise
+        config = config_of(source)
+        with naming_file(source):
+            cls(config, layout=PROBE_LAYOUT, registry=registry)
         return config
 
     @property
@@ -399,19 +392,3 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
     async def flush(self) -> None:
         """Wait until every chunk queued for a write-through tier is written."""
         await self._mover.flush()
-
-
-_PROBE_LAYOUT = KVLayout("kvtiers-probe", 1, 1, 1, chunk_size=1)
-"""The smallest layout: checks a config's tiers where no layout is known yet."""
-
-
-def _check_args(config: Any, layout: Any, registry: Any) -> None:
-    if not isinstance(config, CacheConfig):
-        raise ConfigError(
-            f"config: expected a CacheConfig, got {type(config).__name__} "
-            "(TieredCache.from_config takes a path or a dict)"
-        )
-    if layout is not None and not isinstance(layout, KVLayout):
-        raise ConfigError(f"layout: expected a KVLayout, got {type(layout).__name__}")
-    if registry is not None and not isinstance(registry, TierRegistry):
-        raise ConfigError(f"registry: expected a TierRegistry, got {type(registry).__name__}")

@@ -12,18 +12,14 @@ a config that asks for metrics logs one warning and the cache runs without an en
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import socket
-import sys
 import threading
 from collections.abc import Callable, Coroutine, Hashable, Iterator
-from socketserver import ThreadingMixIn
 from types import TracebackType
 from typing import Any, NamedTuple, Self
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from kvtiers._metrics_http import MetricsHTTPServer, serve
 from kvtiers.core.config import MetricsConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.stats import CacheStats, LatencySnapshot, TierStats
@@ -49,7 +45,6 @@ _CACHE_COUNTERS = {
 _TIER_SKIP = {"name", "kind", "usage", "latency", "breaker", "io"}
 _BREAKER_STATES = ("closed", "open", "half_open")
 _SCRAPE_TIMEOUT_S = 5.0
-_IDLE_TIMEOUT_S = 30.0  # a connection that sends or reads nothing for this long is dropped
 
 
 def metric_families(stats: CacheStats, labels: dict[str, str]) -> Iterator[Any]:
@@ -255,66 +250,6 @@ def _take(source: _Source) -> CacheStats | None:
     return future.result(_SCRAPE_TIMEOUT_S)
 
 
-class _Handler(WSGIRequestHandler):
-    """Serve one scrape; log nothing."""
-
-    # NOTE: without a timeout a client that connects and then sends or reads nothing
-    # holds its thread and socket for as long as the process lives.
-    timeout = _IDLE_TIMEOUT_S
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    """A thread per connection; remembers open connections, so that closing drops them."""
-
-    daemon_threads = True
-
-    def __init__(self, family: int, address: tuple[str, int]) -> None:
-        self.address_family = family
-        self._guard = threading.Lock()
-        self._open: set[socket.socket] = set()
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._guard:
-            self._open.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._guard:
-            self._open.discard(request)
-        super().shutdown_request(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        if isinstance(sys.exc_info()[1], OSError):
-            return  # the client timed out or went away: nothing to report
-        super().handle_error(request, client_address)
-
-    def drop_connections(self) -> None:
-        """Shut every open connection down, which ends the threads serving them."""
-        with self._guard:
-            connections = list(self._open)
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
-
-
-def _serve(config: MetricsConfig, app: Any) -> tuple[_Server, threading.Thread]:
-    """Start serving `app` on the configured address, in a daemon thread.
-
-    Raises:
-        OSError: the host does not resolve, or the address cannot be bound.
-    """
-    family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
-    server = _Server(family, (config.host, config.port))
-    server.set_app(app)
-    thread = threading.Thread(target=server.serve_forever, name="kvtiers-metrics", daemon=True)
-    thread.start()
-    return server, thread
-
-
 class MetricsServer:
     """An HTTP endpoint serving one cache's metrics; an async context manager.
 
@@ -337,7 +272,7 @@ class MetricsServer:
         self._snapshot = snapshot
         self._labels = labels
         self._collector: _Collector | None = None
-        self._server: _Server | None = None
+        self._server: MetricsHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
         """`http://host:port/metrics` once started; `None` when not serving."""
@@ -380,7 +315,7 @@ class MetricsServer:
         collector = _Collector(first)
         registry.register(collector)
         try:
-            self._server, self._thread = _serve(self.config, make_wsgi_app(registry))
+            self._server, self._thread = serve(self.config, make_wsgi_app(registry))
         except OSError as exc:  # a host that does not resolve, a port in use
             where = f"{self.config.host}:{self.config.port}"
             raise ConfigError(f"metrics: cannot serve on {where}: {exc.strerror or exc}") from exc

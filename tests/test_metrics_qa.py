@@ -158,9 +158,9 @@ async def test_a_client_that_sends_or_reads_nothing_is_dropped_at_close(layout):
 
 
 async def test_an_idle_client_is_dropped_while_the_cache_serves(layout, monkeypatch):
-    from kvtiers import metrics
+    from kvtiers import _metrics_http
 
-    monkeypatch.setattr(metrics._Handler, "timeout", 0.2)  # instead of waiting 30 s
+    monkeypatch.setattr(_metrics_http.ScrapeHandler, "timeout", 0.2)  # instead of waiting 30 s
     async with TieredCache.from_config(metrics_config()) as cache:
         with socket.create_connection(("127.0.0.1", port_of(cache.metrics_url))) as silent:
             assert await asyncio.to_thread(dropped, silent)

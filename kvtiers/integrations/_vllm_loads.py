@@ -4,7 +4,7 @@
 of the worker use it). `load_from` reads a request's cached chunks layer-wise
 (`TieredCache.load` or `get_chunks` with `on_layers`) into the request's staging tensor;
 `Load` keeps what the waves reported, so `WorkerSide.wait_for_layer` knows which tokens of a
-layer are final.
+layer are final; `write_whole` writes an asynchronous load's every layer at once.
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ from kvtiers._streaming import OnLayers
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_plan import GroupBlocks, LoadSpec, Salt
 
-__all__ = ["NULL_BLOCK", "LayerSet", "Load", "layer_order", "live_blocks", "load_from"]
+__all__ = [
+    "NULL_BLOCK",
+    "LayerSet",
+    "Load",
+    "layer_order",
+    "live_blocks",
+    "load_from",
+    "write_whole",
+]
 
 NULL_BLOCK = 0
 """vLLM's null block: where a group's block table points at blocks vLLM freed (behind a
@@ -144,3 +152,15 @@ def live_blocks(
     blocks = src.reshape(lead, block_ids.numel(), block_size, *rest)
     kept = blocks.index_select(1, keep.to(src.device))
     return block_ids[keep], kept.reshape(lead, keep.numel() * block_size, *rest)
+
+
+def write_whole(kv: LayerSet, job: Load) -> None:
+    """Write every layer of a finished load into its group's live blocks."""
+    spec, block = job.spec, kv.paged.block_size
+    for i, layer in enumerate(kv.tensors):
+        src = job.staging[i][:, spec.start - job.base : spec.end - job.base]
+        ids, src = live_blocks(job.block_ids[kv.group[i]], src, block)
+        if ids.numel():
+            kv.paged.scatter(layer, ids, src)
+    if kv.device.type == "cuda":
+        torch.cuda.current_stream(kv.device).synchronize()

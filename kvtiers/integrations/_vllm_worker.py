@@ -42,7 +42,7 @@ from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._staging import StagingTensors
 from kvtiers.integrations._vllm_counts import COUNTERS, HITS_PREFIX
 from kvtiers.integrations._vllm_kv import PagedLayout
-from kvtiers.integrations._vllm_loads import LayerSet, Load, layer_order, live_blocks, load_from
+from kvtiers.integrations._vllm_loads import LayerSet, Load, layer_order, load_from, write_whole
 from kvtiers.integrations._vllm_plan import ConnectorSettings, StepPlan, tokens_of
 from kvtiers.integrations._vllm_saves import SaveSide
 
@@ -297,7 +297,7 @@ class WorkerSide:
                 loaded = job.future.result(timeout=0)
                 if loaded < spec.end:
                     raise RuntimeError(f"{loaded} of {spec.end} tokens found")
-                self._write_whole(job)
+                write_whole(self._kv, job)
                 self._staging.release(job.staging, job.future)
                 self._count("loaded_tokens", spec.end - spec.start)
             except Exception as exc:
@@ -308,18 +308,6 @@ class WorkerSide:
                 self._count("load_failed_tokens", spec.end - spec.start)
         self._waiting = still
         return received, failed
-
-    def _write_whole(self, job: Load) -> None:
-        """Write every layer of a finished load into its group's live blocks."""
-        kv = self._kv
-        spec, block = job.spec, kv.paged.block_size
-        for i, layer in enumerate(kv.tensors):
-            src = job.staging[i][:, spec.start - job.base : spec.end - job.base]
-            ids, src = live_blocks(job.block_ids[kv.group[i]], src, block)
-            if ids.numel():
-                kv.paged.scatter(layer, ids, src)
-        if kv.device.type == "cuda":
-            torch.cuda.current_stream(kv.device).synchronize()
 
     # -- saves (`SaveSide`) -------------------------------------------------------------
 

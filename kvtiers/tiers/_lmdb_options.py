@@ -19,6 +19,7 @@ from kvtiers.tiers.base import check_option_keys
 
 __all__ = [
     "LMDBOptions",
+    "MapSizes",
     "check_length",
     "open_env",
     "writemap_hint",
@@ -111,6 +112,44 @@ class LMDBOptions:
             readahead=flags["readahead"],
             writemap=flags["writemap"],
         )
+
+
+@dataclass(frozen=True, slots=True)
+class MapSizes:
+    """How much an lmdb tier's map and values take, from its config and layout."""
+
+    value_len: int
+    """Bytes of one stored value (header and payload)."""
+    map_size: int
+    """Bytes of the memory map: the option, or sized from the capacity."""
+    limit: int
+    """Bytes of values held at most: the capacity, or less where the map is smaller."""
+
+    @classmethod
+    def of(
+        cls, config: TierConfig, options: LMDBOptions, layout: KVLayout, *, tagged: bool
+    ) -> MapSizes:
+        """Size a tier of `config` for chunks of `layout` (`tagged`: with integrity tags).
+
+        Raises:
+            ConfigError: the capacity or the map holds no chunk.
+        """
+        value_len = fmt.value_bytes(layout.fingerprint, layout.chunk_bytes, tagged=tagged)
+        capacity = config.capacity_bytes
+        if capacity < value_len:
+            raise ConfigError(
+                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
+                f"takes {value_len} bytes (header and payload), got {capacity}"
+            )
+        map_size = options.map_size or fmt.default_map_size(capacity, value_len)
+        limit = min(capacity, fmt.map_capacity(map_size, value_len))
+        if limit < value_len:
+            raise ConfigError(
+                f"{config.where}.map_size: a map of {map_size} bytes holds no chunk of "
+                f"{value_len} bytes (header and payload) beside LMDB's own pages; "
+                "raise it, or leave it out to size the map from the capacity"
+            )
+        return cls(value_len, map_size, limit)
 
 
 def open_env(

@@ -19,13 +19,16 @@ import lmdb
 from kvtiers.core.errors import CacheStateError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
+from kvtiers.core.stats import TierUsage
 from kvtiers.tiers import _chunk_format as fmt
+from kvtiers.tiers import _lmdb_format as lmdb_format
 from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers._layers import layer_pieces, write_layers
+from kvtiers.tiers._lmdb_format import Databases
 from kvtiers.tiers._lmdb_gate import MapGate
 from kvtiers.tiers.base import Buffer
 
-__all__ = ["ValueReader", "keys_present", "keys_present_now", "run_jobs"]
+__all__ = ["ValueReader", "keys_present", "keys_present_now", "run_jobs", "usage_now"]
 
 _T = TypeVar("_T")
 
@@ -81,6 +84,21 @@ def keys_present_now(
             return None if txn is None else keys_present(txn, keys)
     except lmdb.Error:
         return None
+
+
+def usage_now(gate: MapGate, dbs: Databases, capacity_bytes: int) -> TierUsage | None:
+    """Return what the map holds now; `None` if the environment cannot tell (closing, failing).
+
+    NOTE: a read transaction takes no lock and only reads mapped pages, so this runs on the
+    caller's thread, the event loop included.
+    """
+    try:
+        with gate.begin() as txn:
+            used = lmdb_format.read_used_bytes(txn, dbs)
+            entries = txn.stat(dbs.chunks)["entries"]
+    except lmdb.Error:
+        return None
+    return TierUsage(capacity_bytes, used, entries)
 
 
 class ValueReader:

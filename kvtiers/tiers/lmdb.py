@@ -14,7 +14,7 @@ from typing import TypeVar
 import lmdb
 
 from kvtiers.core.config import TierConfig
-from kvtiers.core.errors import CacheStateError, ConfigError, TierIOError
+from kvtiers.core.errors import CacheStateError, TierIOError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierUsage
@@ -26,8 +26,14 @@ from kvtiers.tiers._layers import check_layers
 from kvtiers.tiers._lmdb_format import Databases, Writer
 from kvtiers.tiers._lmdb_gate import MapGate, map_size_over, reader_pins_pages
 from kvtiers.tiers._lmdb_health import WriteHealth
-from kvtiers.tiers._lmdb_options import LMDBOptions, open_env, writemap_hint
-from kvtiers.tiers._lmdb_reads import ValueReader, keys_present, keys_present_now, run_jobs
+from kvtiers.tiers._lmdb_options import LMDBOptions, MapSizes, open_env, writemap_hint
+from kvtiers.tiers._lmdb_reads import (
+    ValueReader,
+    keys_present,
+    keys_present_now,
+    run_jobs,
+    usage_now,
+)
 from kvtiers.tiers._lmdb_writes import PendingTouches, ValuePacker, record_touches, store_new
 from kvtiers.tiers.base import Buffer, Tier, check_keys
 
@@ -68,17 +74,8 @@ class LMDBTier(Tier):
         self._fingerprint = layout.fingerprint
         self._auth_key = auth_key_from_config(config)
         self._reader = ValueReader(layout, self._auth_key)
-        self._value_len = fmt.value_bytes(
-            self._fingerprint, layout.chunk_bytes, tagged=self._auth_key is not None
-        )
-        if self.capacity_bytes < self._value_len:
-            raise ConfigError(
-                f"{config.where}.capacity: capacity too small for one chunk; a stored chunk "
-                f"takes {self._value_len} bytes (header and payload), got {self.capacity_bytes}"
-            )
-        self.map_size = self.options.map_size or fmt.default_map_size(
-            self.capacity_bytes, self._value_len
-        )
+        sizes = MapSizes.of(config, self.options, layout, tagged=self._auth_key is not None)
+        self._value_len, self.map_size = sizes.value_len, sizes.map_size
         self._gate: MapGate | None = None  # begins every transaction of the open environment
         self._dbs: Databases | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -86,14 +83,8 @@ class LMDBTier(Tier):
         self._packer = ValuePacker(self._fingerprint, self._value_len, self._auth_key)
         self._touched = PendingTouches()  # hit batches, flushed by the next write
         self._last_usage = TierUsage(self.capacity_bytes, 0, 0)  # reported while not open
-        self._limit = min(self.capacity_bytes, fmt.map_capacity(self.map_size, self._value_len))
+        self._limit = sizes.limit
         """Bytes of values held at most: the capacity, or less where the map is smaller."""
-        if self._limit < self._value_len:
-            raise ConfigError(
-                f"{config.where}.map_size: a map of {self.map_size} bytes holds no chunk of "
-                f"{self._value_len} bytes (header and payload) beside LMDB's own pages; "
-                "raise it, or leave it out to size the map from the capacity"
-            )
         self._health = WriteHealth(self.name, self.options.path)
         # NOTE: a batch is split into no more parts than there are cores: on 2 vCPUs, 128
         # warm 64 KiB reads took 46 us a chunk split four ways and 34 us split two ways (the
@@ -392,28 +383,17 @@ class LMDBTier(Tier):
         self._ensure_open()
         check_keys(keys)
         if keys:
-            await self._run([functools.partial(self._delete, keys)])
-
-    def _delete(self, keys: Sequence[ChunkKey], cancel: threading.Event) -> None:
-        self._write(lambda w: [w.remove(key) for key in keys], cancel)
+            remove = functools.partial(self._write, lambda w: [w.remove(key) for key in keys])
+            await self._run([remove])
 
     def usage(self) -> TierUsage:
         """Return the tier's capacity and what it holds (as last seen, once closed).
 
         What the environment cannot tell now (it is closing, or fails) is as last seen too.
         """
-        if self._gate is None or self._dbs is None:
-            return self._last_usage
-        gate, dbs = self._gate, self._dbs
-        # NOTE: a read transaction takes no lock and only reads mapped pages, so this one
-        # runs on the caller's thread, the event loop included.
-        try:
-            with gate.begin() as txn:
-                used = fmt.read_used_bytes(txn, dbs)
-                entries = txn.stat(dbs.chunks)["entries"]
-        except lmdb.Error:
-            return self._last_usage
-        self._last_usage = TierUsage(self.capacity_bytes, used, entries)
+        if self._gate is not None and self._dbs is not None:
+            now = usage_now(self._gate, self._dbs, self.capacity_bytes)
+            self._last_usage = self._last_usage if now is None else now
         return self._last_usage
 
     def explain_lines(self) -> list[str]:
