@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TypeVar
 
 from kvtiers.core.config import TierConfig
 from kvtiers.core.keys import ChunkKey
@@ -25,6 +26,7 @@ from kvtiers.tiers._pool_guard import (
     InFlight,
     StoredValues,
     StoreGuard,
+    StoreUnavailable,
     check_keys,
     tally_reads,
 )
@@ -32,6 +34,9 @@ from kvtiers.tiers._remote_breaker import IOCounters, gather_all, health_of
 from kvtiers.tiers.base import Buffer, Tier
 
 __all__ = ["PoolTier", "ReadPart"]
+
+_T = TypeVar("_T")
+_F = TypeVar("_F")
 
 ReadPart = Callable[[Sequence[ChunkKey], Sequence[Buffer]], Awaitable[list[Verdict | None]]]
 """Read one request's worth of keys into their buffers; a verdict per key, `None` if absent."""
@@ -86,6 +91,15 @@ class PoolTier(Tier):
         self._ensure_open()
         with self._in_flight.call():
             yield
+
+    async def _guarded(self, call: Callable[[], Awaitable[_T]], failed: _F) -> _T | _F:
+        """Return `call()`'s result, run under the guard; `failed` where the store was not
+        reachable, refused by the breaker or timed out (counted, never raised)."""
+        try:
+            return await self._guard.call(call)
+        except StoreUnavailable as exc:
+            self.counters.fail(timed_out=exc.timed_out)
+            return failed
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited

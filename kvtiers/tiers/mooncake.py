@@ -153,10 +153,7 @@ class MooncakeTier(PoolTier):
             return None
         async with self._connect_lock:
             if self._store is None:
-                try:
-                    await self._guard.call(self._connect)
-                except StoreUnavailable as exc:
-                    self.counters.fail(timed_out=exc.timed_out)
+                await self._guarded(self._connect, None)
         return self._store
 
     async def _connect(self) -> None:
@@ -198,10 +195,8 @@ class MooncakeTier(PoolTier):
                 self.counters.unavailable += bool(keys)
                 return [False] * len(keys)
             names = [self._name(key) for key in keys]
-            try:
-                codes = await self._guard.call(lambda: self._io.batch(store.batch_is_exist, names))
-            except StoreUnavailable as exc:
-                self.counters.fail(timed_out=exc.timed_out)
+            codes = await self._guarded(lambda: self._io.batch(store.batch_is_exist, names), None)
+            if codes is None:
                 return [False] * len(keys)
             self.counters.errors += sum(code < 0 for code in codes)
             for key, code in zip(keys, codes, strict=True):
@@ -229,11 +224,10 @@ class MooncakeTier(PoolTier):
         it is removed and may be written again. Each hit becomes the most recent of the
         known chunks; each miss is forgotten.
         """
-        verdicts: list[Verdict | None] = [None] * len(keys)
-        try:
-            verdicts = await self._guard.call(functools.partial(self._read_some, store, keys, dsts))
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
+        missed: list[Verdict | None] = [None] * len(keys)
+        verdicts = await self._guarded(
+            functools.partial(self._read_some, store, keys, dsts), missed
+        )
         self._catalog.note_reads(keys, [verdict is Verdict.OK for verdict in verdicts])
         return verdicts
 
@@ -296,12 +290,9 @@ class MooncakeTier(PoolTier):
         codes: list[int] = [0] * len(known)
         if store is not None and not self._guard.refuses():
             names = [self._name(key) for key in known]
-            try:
-                codes = await self._guard.call(
-                    lambda: self._io.batch(store.batch_is_exist, names, answers=())
-                )
-            except StoreUnavailable as exc:
-                self.counters.fail(timed_out=exc.timed_out)
+            codes = await self._guarded(
+                lambda: self._io.batch(store.batch_is_exist, names, answers=()), codes
+            )
         for key, code in zip(known, codes, strict=True):
             if code != 1:
                 self._catalog.forget(key)
@@ -379,12 +370,9 @@ class MooncakeTier(PoolTier):
             return
         names = [self._name(key) for key in keys]
         answers = (NOT_FOUND, NOT_READY)  # NOTE: a value being written: its write is later
-        try:
-            await self._guard.call(
-                lambda: self._io.batch(store.batch_remove, names, True, answers=answers)
-            )
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
+        await self._guarded(
+            lambda: self._io.batch(store.batch_remove, names, True, answers=answers), None
+        )
 
     def usage(self) -> TierUsage:
         """Return the capacity and the chunks this process knows to be in the pool."""

@@ -173,13 +173,10 @@ class RedisTier(PoolTier):
                 self.counters.unavailable += 1
                 return [False] * len(keys)
 
-            try:
-                found, self._num_entries = await self._guard.call(
-                    functools.partial(self._io.exists, keys)
-                )
-            except StoreUnavailable as exc:
-                self.counters.fail(timed_out=exc.timed_out)
+            answer = await self._guarded(functools.partial(self._io.exists, keys), None)
+            if answer is None:
                 return [False] * len(keys)
+            found, self._num_entries = answer
             return found
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
@@ -193,11 +190,10 @@ class RedisTier(PoolTier):
         self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer], *, touch: bool = True
     ) -> list[Verdict | None]:
         """Read one pipeline's worth of keys into `dsts`; `None` where there was no value."""
-        try:
-            values, count = await self._guard.call(functools.partial(self._io.read, keys, touch))
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
+        answer = await self._guarded(functools.partial(self._io.read, keys, touch), None)
+        if answer is None:
             return [None] * len(keys)
+        values, count = answer
         self._num_entries = self._num_entries if count is None else count
         return [
             None if raw is None else self._values.read_into(key, raw, dst)
@@ -241,11 +237,10 @@ class RedisTier(PoolTier):
     ) -> list[Verdict | None]:
         """Read one pipeline's worth of keys' layers; read whole those that do not verify."""
         read = functools.partial(self._io.read_ranges, keys, plan, touch)
-        try:
-            parts, count = await self._guard.call(read)
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
+        answer = await self._guarded(read, None)
+        if answer is None:
             return [None] * len(keys)
+        parts, count = answer
         self._num_entries = self._num_entries if count is None else count
         verdicts, again = self._ranges.deliver(keys, plan, parts, dsts)
         if again:  # values that did not verify: judged whole
@@ -309,10 +304,8 @@ class RedisTier(PoolTier):
     async def _remove(self, keys: Sequence[ChunkKey]) -> None:
         # docstring inherited
         self._ranges.forget(keys)
-        try:
-            self._num_entries = await self._guard.call(functools.partial(self._io.delete, keys))
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
+        count = await self._guarded(functools.partial(self._io.delete, keys), None)
+        self._num_entries = self._num_entries if count is None else count
 
     def usage(self) -> TierUsage:
         """Return the capacity and what every process holds, as of the last request."""
