@@ -93,8 +93,10 @@ class PoolTier(Tier):
             yield
 
     async def _guarded(self, call: Callable[[], Awaitable[_T]], failed: _F) -> _T | _F:
-        """Return `call()`'s result, run under the guard; `failed` where the store was not
-        reachable, refused by the breaker or timed out (counted, never raised)."""
+        """Return `call()`, run under the guard, or `failed` where the store cannot answer.
+
+        A store not reachable, refused by the breaker or timed out is counted, never raised.
+        """
         try:
             return await self._guard.call(call)
         except StoreUnavailable as exc:
