@@ -27,6 +27,7 @@ BENCHMARKS = (
     "bench_dram",
     "bench_hbm",  # on the HBM tier's CPU seam without CUDA
     "bench_lmdb",
+    "bench_lmdb_small",
     "bench_remote",
     "bench_split_load",
     "bench_layerwise",

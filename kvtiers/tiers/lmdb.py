@@ -31,6 +31,7 @@ from kvtiers.tiers._lmdb_reads import (
     ValueReader,
     keys_present,
     keys_present_now,
+    read_parts,
     run_jobs,
     usage_now,
 )
@@ -49,10 +50,9 @@ class LMDBTier(Tier):
 
     Several processes may open the same `path` at once; LMDB's locks serialize their writers.
     Because no single process's policy sees every entry, the tier evicts by capacity itself,
-    least recently used first, with a chain's deepest chunk before its prefix. Blocking LMDB
-    calls run in a pool of `read_threads` threads, never on the event loop; a batch's reads
-    are split across the pool (in no more parts than there are cores), and a batch's writes
-    are one transaction, all or nothing.
+    least recently used first, with a chain's deepest chunk before its prefix. LMDB calls that
+    can block run in a pool of `read_threads` threads; a batch of large values is read in
+    parts across it, and a batch's writes are one transaction, all or nothing.
 
     `used_bytes` counts whole stored values (header and payload), so it matches the disk.
 
@@ -86,10 +86,9 @@ class LMDBTier(Tier):
         self._limit = sizes.limit
         """Bytes of values held at most: the capacity, or less where the map is smaller."""
         self._health = WriteHealth(self.name, self.options.path)
-        # NOTE: a batch is split into no more parts than there are cores: on 2 vCPUs, 128
-        # warm 64 KiB reads took 46 us a chunk split four ways and 34 us split two ways (the
-        # threads' Python work contends for the interpreter lock), and cold reads gained
-        # nothing from more parts. More threads still serve concurrent calls.
+        # NOTE: a batch is split into no more parts than there are cores, and a batch of
+        # small values not at all (`read_parts`): the threads' Python work contends for the
+        # interpreter lock. More threads still serve concurrent calls.
         self._parts = max(1, min(self.options.read_threads, os.cpu_count() or 1))
 
     async def _open(self) -> None:
@@ -238,7 +237,8 @@ class LMDBTier(Tier):
         self._ensure_open()
         check_keys(keys)
         self._check_buffers(keys, dsts)
-        step = max(1, -(-len(keys) // self._parts))
+        parts = read_parts(len(keys), self.layout.chunk_bytes, self._parts)
+        step = max(1, -(-len(keys) // parts))
         jobs = [
             functools.partial(self._read, keys[i : i + step], dsts[i : i + step], layers, tally)
             for i in range(0, len(keys), step)

@@ -19,7 +19,12 @@ from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.layout import KVLayout
 from kvtiers.testing.tiers import SMALL_LAYOUT, TierTests
 from kvtiers.tiers._lmdb_format import pack_value, value_bytes
-from kvtiers.tiers._lmdb_reads import keys_present_now
+from kvtiers.tiers._lmdb_reads import (
+    SPLIT_MIN_VALUE,
+    SPLIT_PART_BYTES,
+    keys_present_now,
+    read_parts,
+)
 from kvtiers.tiers.lmdb import LMDBTier
 
 lmdb = pytest.importorskip("lmdb")
@@ -566,6 +571,56 @@ async def test_a_dead_reader_does_not_fill_the_map_of_a_long_running_tier(
             assert all(await tier.put(keys(8, seed=seed), payloads(8, seed=seed)))
         assert tier._limit == limit  # the map never held less than the capacity
         assert not tier._health.map_was_full
+
+
+# -- reads in parts ------------------------------------------------------------------------
+
+
+@given(
+    st.integers(0, 512),
+    st.integers(1, 16 << 20),
+    st.integers(1, 16),
+)
+def test_read_parts_keeps_small_values_together(num: int, value_bytes: int, most: int) -> None:
+    parts = read_parts(num, value_bytes, most)
+    assert 1 <= parts <= max(1, min(most, num))
+    if value_bytes < SPLIT_MIN_VALUE:
+        assert parts == 1
+    if parts > 1:  # each part carries at least SPLIT_PART_BYTES
+        assert num * value_bytes // parts >= SPLIT_PART_BYTES
+
+
+BIG = KVLayout(
+    model="m", num_layers=2, num_kv_heads=4, head_size=64, dtype="float16", chunk_size=512
+)
+"""1 MiB chunks: a batch of nine is split in two parts."""
+
+
+@pytest.mark.parametrize(("layout", "num", "parts"), [(SMALL_LAYOUT, 64, 1), (BIG, 9, 2)])
+async def test_a_batch_is_read_in_parts_only_when_its_values_are_large(
+    tmp_path: Path, layout: KVLayout, num: int, parts: int
+) -> None:
+    rng = np.random.default_rng(7)
+    srcs = [rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8) for _ in range(num)]
+    ks = keys(num)
+    config = TierConfig("lmdb", 64 << 20, options={"path": str(tmp_path / "db")})
+    async with LMDBTier(config, layout) as tier:
+        assert all(await tier.put(ks[:-2] + ks[-1:], srcs[:-2] + srcs[-1:]))  # one missing
+        tier._parts = 2  # as on two cores or more
+        threads: list[int] = []
+        read = tier._read
+
+        def counted(*args: Any) -> list[bool]:
+            threads.append(threading.get_ident())
+            return read(*args)
+
+        tier._read = counted  # type: ignore[method-assign]
+        dsts = [np.zeros(layout.chunk_bytes, dtype=np.uint8) for _ in range(num)]
+        assert await tier.get(ks, dsts) == [True] * (num - 2) + [False, True]
+        assert len(threads) == parts
+        assert all(np.array_equal(d, s) for d, s in zip(dsts[:-2], srcs[:-2], strict=True))
+        assert np.array_equal(dsts[-1], srcs[-1]) and not dsts[-2].any()
+        assert tier.counters.bytes_read == (num - 1) * layout.chunk_bytes
 
 
 # -- reads of some layers ------------------------------------------------------------------
