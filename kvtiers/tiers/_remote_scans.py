@@ -17,11 +17,19 @@ import re
 import secrets
 import socket
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtiers.core.stats import TierCounters
 from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
-from kvtiers.tiers._remote_catalog import ACCESS_DIR, AccessLog, Listing, StoredObject, scan
+from kvtiers.tiers._remote_catalog import (
+    ACCESS_DIR,
+    AccessLog,
+    Catalog,
+    Listing,
+    StoredObject,
+    scan,
+)
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_options import RemoteOptions
 
@@ -74,6 +82,28 @@ class Scanner:
     def due(self) -> bool:
         """Return whether the next scan is due."""
         return time.monotonic() >= self.next_scan
+
+    async def contains(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        catalog: Catalog,
+        clock: Callable[[], float],
+    ) -> list[bool]:
+        """Answer a `contains` of `keys` from one listing of `namespace`, without the logs.
+
+        `catalog` learns what the listing shows of the keys. A failed listing is counted
+        and answers misses.
+        """
+        since = catalog.changes
+        try:
+            listing = await scan(self._store, namespace, logs=False)
+        except StoreUnavailable as exc:
+            self._counters.fail(timed_out=exc.timed_out)
+            return [False] * len(keys)
+        objs = [listing.objects.get(key) for key in keys]
+        catalog.learn(keys, [o.size if o else None for o in objs], clock(), since)
+        return [obj is not None for obj in objs]
 
     async def sweep(
         self, namespace: str, now: float, *, retries: int | None = None

@@ -45,7 +45,7 @@ from kvtiers.tiers._pool_guard import check_keys
 from kvtiers.tiers._read_buffers import ReadBuffers
 from kvtiers.tiers._readahead import HINT_AHEAD, HINT_MIN_BYTES, ahead_of
 from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all, health_of
-from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path, scan
+from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path
 from kvtiers.tiers._remote_codec import ObjectCodec
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_layers import LayerPlan
@@ -174,7 +174,7 @@ class RemoteTier(Tier):
             self.counters.unavailable += 1
             return [False] * len(keys)
         if self._list_for_contains(len(keys)):
-            return await self._contains_by_listing(keys)
+            return await self._scanner.contains(self.namespace, keys, self._catalog, self.clock)
         since = self._catalog.changes
         infos, late = await self._stragglers.within(
             self._store.read_timeout, [self._objects.info(key) for key in keys], False
@@ -199,17 +199,6 @@ class RemoteTier(Tier):
             and self.capacity_bytes // self.value_bytes <= _LIST_PAGE
             and num_keys > self.options.max_in_flight
         )
-
-    async def _contains_by_listing(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        since = self._catalog.changes
-        try:
-            listing = await scan(self._store, self.namespace, logs=False)
-        except StoreUnavailable as exc:
-            self.counters.fail(timed_out=exc.timed_out)
-            return [False] * len(keys)
-        objs = [listing.objects.get(key) for key in keys]
-        self._catalog.learn(keys, [o.size if o else None for o in objs], self.clock(), since)
-        return [obj is not None for obj in objs]
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
