@@ -50,8 +50,8 @@ class LMDBOptions:
     path: str
     """Directory of the environment; created if missing."""
     read_threads: int = 4
-    """Threads that run the blocking LMDB calls; a batch's reads are split across them, in
-    no more parts than there are cores."""
+    """Threads that run the blocking LMDB calls; a batch of large values is read in parts
+    across them, in no more parts than there are cores (see `read_parts`)."""
     map_size: int | None = None
     """Size of the memory map; `None` sizes it from the capacity."""
     sync: bool = False
