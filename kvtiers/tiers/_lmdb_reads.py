@@ -39,10 +39,18 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-SPLIT_MIN_VALUE = 512 << 10
+SPLIT_MIN_VALUE = 256 << 10
 """Values smaller than this are read in one part, however many there are (see `read_parts`)."""
 SPLIT_PART_BYTES = 4 << 20
-"""A batch of larger values is split in parts of at least this many bytes."""
+"""A part of a split batch carries at least this many bytes, whatever its values' size."""
+_PART_AT = (448 << 10, 6 << 20)
+"""At 448 KiB a value, a part carries at least 6 MiB; four times that at half the size."""
+
+
+def part_bytes(value_bytes: int) -> int:
+    """Return the fewest bytes a part of a batch of `value_bytes` values carries."""
+    at_value, at_bytes = _PART_AT
+    return max(SPLIT_PART_BYTES, at_bytes * at_value * at_value // max(1, value_bytes) ** 2)
 
 
 def read_parts(num_values: int, value_bytes: int, most: int) -> int:
@@ -50,12 +58,15 @@ def read_parts(num_values: int, value_bytes: int, most: int) -> int:
 
     NOTE: a part is a job of the tier's thread pool. Verifying and copying a value frees
     the interpreter lock only for its bytes (hashing, `memcpy`); the Python work around each
-    value holds it, so two parts of small values take turns on the lock instead of running
-    side by side, and each part pays a thread's wake-up. On a 2-vCPU VM (warm map, one part
-    against two, medians of 25): 16 values of 256 KiB 1.94 against 2.43 ms, 128 of 128 KiB
-    8.1 against 10.1 ms, 64 of 384 KiB 9.9 against 8.6 ms (the worst case kept); 16 of
-    768 KiB 4.7 against 3.9 ms and 16 of 4 MiB 21.5 against 14.1 ms, so those are split.
-    Cold reads gained nothing from more parts.
+    value holds it, so two parts take turns on the lock for that work, and each part pays a
+    thread's wake-up. A second part pays off only for large values (less lock per byte) in
+    large batches (the wake-up spread over more bytes), hence a part size that shrinks with
+    the square of the value size (`part_bytes`). On a 2-vCPU VM (warm map, one part's time
+    over two parts', medians of 25): 512 of 64 KiB 0.69, 192 of 128 KiB 0.72, 128 of 256 KiB
+    0.99 (kept whole below 256 KiB); 64 of 320 KiB 1.00, 96 of them 1.17; 32 of 384 KiB
+    0.95, 64 of them 1.09-1.19; 24 of 448 KiB 1.00, 32 of them 1.08; 16 of 512 KiB 0.85,
+    32 of them 1.12; 8 of 768 KiB 0.88, 16 of them 1.20; 16 of 4 MiB 1.52. Cold reads
+    gained nothing from more parts.
 
     Args:
         num_values: values in the batch.
@@ -64,7 +75,7 @@ def read_parts(num_values: int, value_bytes: int, most: int) -> int:
     """
     if value_bytes < SPLIT_MIN_VALUE:
         return 1
-    return max(1, min(most, num_values, num_values * value_bytes // SPLIT_PART_BYTES))
+    return max(1, min(most, num_values, num_values * value_bytes // part_bytes(value_bytes)))
 
 
 async def run_jobs(

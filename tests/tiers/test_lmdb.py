@@ -23,6 +23,7 @@ from kvtiers.tiers._lmdb_reads import (
     SPLIT_MIN_VALUE,
     SPLIT_PART_BYTES,
     keys_present_now,
+    part_bytes,
     read_parts,
 )
 from kvtiers.tiers.lmdb import LMDBTier
@@ -586,8 +587,26 @@ def test_read_parts_keeps_small_values_together(num: int, value_bytes: int, most
     assert 1 <= parts <= max(1, min(most, num))
     if value_bytes < SPLIT_MIN_VALUE:
         assert parts == 1
-    if parts > 1:  # each part carries at least SPLIT_PART_BYTES
-        assert num * value_bytes // parts >= SPLIT_PART_BYTES
+    if parts > 1:  # each part carries at least its share, and never less than 4 MiB
+        assert num * value_bytes // parts >= part_bytes(value_bytes) >= SPLIT_PART_BYTES
+    elif value_bytes >= SPLIT_MIN_VALUE and min(most, num) > 1:  # one part: too few bytes
+        assert num * value_bytes < 2 * part_bytes(value_bytes)
+    assert read_parts(num + 1, value_bytes, most) >= parts  # more values, never fewer parts
+
+
+@given(st.integers(SPLIT_MIN_VALUE, 64 << 20), st.integers(1, 64 << 20))
+def test_a_part_of_larger_values_may_be_smaller(value_bytes: int, more: int) -> None:
+    assert part_bytes(value_bytes + more) <= part_bytes(value_bytes)
+
+
+@pytest.mark.parametrize(
+    ("num", "value_kib", "parts"),
+    [(16, 256, 1), (128, 256, 1), (64, 320, 1), (96, 320, 2), (16, 384, 1), (64, 384, 2),
+     (16, 512, 1), (32, 512, 2), (8, 768, 1), (16, 768, 2), (16, 4096, 2)],
+)  # fmt: skip
+def test_read_parts_at_the_measured_batches(num: int, value_kib: int, parts: int) -> None:
+    # The batches `read_parts`' docstring quotes, on two cores.
+    assert read_parts(num, value_kib << 10, 2) == parts
 
 
 BIG = KVLayout(
