@@ -36,6 +36,7 @@ from kvtiers.core.keys import ChunkHasher
 CASES: list[tuple[str, dict[str, Any], int]] = [
     ("16 x 256 KiB (the TTFT default model)", {"num_layers": 2, "num_kv_heads": 2}, 4096),
     ("128 x 64 KiB", {"num_layers": 2, "num_kv_heads": 1, "chunk_size": 128}, 16384),
+    ("64 x 384 KiB (two parts on two cores)", {"num_layers": 6, "num_kv_heads": 1}, 16384),
     ("16 x 3 MiB (the TTFT larger model)", {"num_layers": 6, "num_kv_heads": 8}, 4096),
 ]
 
