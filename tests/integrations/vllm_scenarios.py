@@ -44,7 +44,9 @@ Scenarios:
   `sliding-mp`: the same model in vLLM's default multiprocess mode; `chunked`: as `sliding`,
   with a Llama 4 (chunked local attention).
 - `mamba`: a state-space hybrid (a Mamba-2 layer and an attention layer) runs without
-  kvtiers; with it, the engine stops at start-up saying to serve the model without it.
+  kvtiers, also with vLLM's own Mamba prefix caching (align mode, which needs the CPU
+  stand-ins of vllm_cpu_mamba.py); with kvtiers, the engine stops at start-up saying to
+  serve the model without it.
 - `pressure`: a KV cache too small for the load, so vLLM preempts requests, and requests
   aborted mid-load and mid-decode (vllm_pressure_scenario.py); run on both tiny models.
 """
@@ -794,16 +796,26 @@ def scenario_refused(model: str, work: Path) -> dict[str, Any]:
 
 
 def scenario_mamba(model: str, work: Path) -> dict[str, Any]:
-    """A state-space hybrid: vLLM answers it alone; with kvtiers it stops at start-up."""
+    """A state-space hybrid: vLLM answers it alone, also with its own Mamba prefix caching
+    (align mode, on CPU stand-ins: vllm_cpu_mamba.py); with kvtiers it stops at start-up."""
+    import vllm_cpu_mamba
+
     prompts = make_prompts(seed=5)
     base = Engine(model, None, prefix_caching=False)
     result: dict[str, Any] = {"baseline": base.generate(prompts)}
     base.close()
-    try:
-        Engine(model, tiers(work), prefix_caching=False)
-        result["kvtiers"] = "accepted"
-    except Exception as exc:  # vLLM wraps the connector's error in its own
-        result["kvtiers"] = f"{type(exc).__name__}: {exc}"
+    vllm_cpu_mamba.install()
+    align = Engine(model, None, prefix_caching=True, mamba_cache_mode="align")
+    result["align_first"] = align.generate(prompts[:1])
+    result["align"] = align.generate(prompts)
+    result["align_block"] = align.llm.llm_engine.vllm_config.cache_config.block_size
+    align.close()
+    for name, caching in (("kvtiers", {}), ("kvtiers_align", {"mamba_cache_mode": "align"})):
+        try:
+            Engine(model, tiers(work), prefix_caching=bool(caching), **caching)
+            result[name] = "accepted"
+        except Exception as exc:  # vLLM wraps the connector's error in its own
+            result[name] = f"{type(exc).__name__}: {exc}"
     return result
 
 
