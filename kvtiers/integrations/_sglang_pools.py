@@ -22,24 +22,21 @@ Imports no SGLang module: it reads pools' and transfers' attributes only.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvtiers.cache import TieredCache
-from kvtiers.core.config import CacheConfig, load_config
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._runtime import CACHES, Lease, SharedCache, config_identity
 from kvtiers.integrations._sglang_args import BadArgumentError, capacity_of, page_starts
 from kvtiers.integrations._sglang_options import BackendOptions
 from kvtiers.integrations._sglang_pages import PageMap, pool_pages
+from kvtiers.integrations._side_caches import lmdb_paths, pool_config
 
 __all__ = ["ExtraPools", "PoolPages", "PoolViews", "fold_hits", "pool_config", "pool_layout"]
 
@@ -83,46 +80,6 @@ def pool_layout(pool: Any, name: str, kv_layout: KVLayout, storage_config: Any) 
         tp_rank=int(storage_config.tp_rank) if sharded else 0,
         tp_size=int(storage_config.tp_size) if sharded else 1,
     )
-
-
-def pool_config(
-    source: str | Mapping[str, Any], own: str | Mapping[str, Any] | None, name: str
-) -> CacheConfig:
-    """Return the config of the cache that holds pool `name`.
-
-    `own` (the pool's entry in the backend's `pools` option) is used as it is. Otherwise
-    the KV config's tiers are taken with each `path` suffixed `-<name>`, and without the
-    metrics endpoint and the event queue (the KV cache serves those).
-
-    Raises:
-        ConfigError: a config cannot be read or is invalid.
-    """
-    if own is not None:
-        config = load_config(own)
-        clash = lmdb_paths(config) & lmdb_paths(load_config(source))
-        if clash:
-            raise ConfigError(
-                f"{_OPTIONS}.pools.{name}: lmdb path {min(clash)!r} is the KV cache's; "
-                f"an LMDB environment opens once per process, so give the pool its own"
-            )
-        return config
-    config = load_config(source)
-    tiers = []
-    for tier in config.tiers:
-        options = dict(tier.options)
-        if isinstance(options.get("path"), str):
-            options["path"] = f"{options['path'].rstrip('/')}-{name}"
-        tiers.append(dataclasses.replace(tier, options=MappingProxyType(options)))
-    return dataclasses.replace(config, tiers=tuple(tiers), metrics=None, events=0)
-
-
-def lmdb_paths(config: CacheConfig) -> set[str]:
-    """Return the resolved paths of a config's LMDB tiers."""
-    return {
-        os.path.realpath(tier.options["path"])
-        for tier in config.tiers
-        if tier.kind == "lmdb" and isinstance(tier.options.get("path"), str)
-    }
 
 
 class PoolPages:

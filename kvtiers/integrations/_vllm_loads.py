@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,22 +20,19 @@ import torch
 from kvtiers import TieredCache
 from kvtiers._streaming import OnLayers
 from kvtiers.integrations._vllm_kv import PagedLayout
-from kvtiers.integrations._vllm_plan import GroupBlocks, LoadSpec, Salt
+from kvtiers.integrations._vllm_plan import NULL_BLOCK, GroupBlocks, LoadSpec, Salt
 
 __all__ = [
+    "IDLE_WAIT_S",
     "NULL_BLOCK",
     "LayerSet",
     "Load",
+    "idle_wait",
     "layer_order",
     "live_blocks",
     "load_from",
     "write_whole",
 ]
-
-NULL_BLOCK = 0
-"""vLLM's null block: where a group's block table points at blocks vLLM freed (behind a
-sliding window, or in an earlier chunk of local attention). It holds no request's KV and is
-never attended, so loads skip it."""
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -164,3 +162,26 @@ def write_whole(kv: LayerSet, job: Load) -> None:
             kv.paged.scatter(layer, ids, src)
     if kv.device.type == "cuda":
         torch.cuda.current_stream(kv.device).synchronize()
+
+
+IDLE_WAIT_S = 0.005
+"""The longest a step that computes nothing pauses (`idle_wait`). Short, so that a request
+arriving meanwhile is scheduled with little delay."""
+
+
+def idle_wait(loads: list[Load], waiting: bool) -> None:
+    """Pause a step that computes nothing until a load ends, for `IDLE_WAIT_S` at most.
+
+    An engine whose requests all wait (for asynchronous loads, or told to ask again later)
+    steps in a tight loop that holds the GIL the loads' threads need and keeps a core busy,
+    while each empty step changes nothing.
+
+    Args:
+        loads: the asynchronous loads in flight.
+        waiting: the scheduler told a request to ask again later in this step.
+    """
+    if loads:
+        futures = [job.future for job in loads]
+        concurrent.futures.wait(futures, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+    elif waiting:
+        time.sleep(IDLE_WAIT_S)

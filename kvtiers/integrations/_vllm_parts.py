@@ -20,9 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtiers.cache import TieredCache
+from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._amx import request_amx_tiles
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
+from kvtiers.integrations._side_caches import pool_config
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
+from kvtiers.integrations._vllm_mamba import MambaPages, StateStore, state_layout
 from kvtiers.integrations._vllm_plan import ConnectorSettings
 from kvtiers.integrations._vllm_scheduler import Lookup
 from kvtiers.integrations._vllm_worker import WorkerSide
@@ -63,6 +66,8 @@ class ConnectorParts:
         self.entry: SharedCache | None = None
         """The worker's shared cache (worker side, once opened)."""
         self._server: LookupServer | None = None
+        self.states_entry: SharedCache | None = None
+        """The cache of a state-space model's states (worker side, once opened)."""
 
     # -- scheduler side ----------------------------------------------------------------
 
@@ -71,9 +76,11 @@ class ConnectorParts:
         entry = CACHES.find(self._engine_id, 0) if self._topology.num_ranks == 1 else None
         if entry is not None:
             found = entry
+            states = entry.extras.get(_states_name(self._engine_id))
+            locate = found.cache.locate if states is None else states.locate
 
             def direct(tokens: Any, salt: Any) -> Any:
-                return found.loop.submit(found.cache.locate(tokens, salt=salt))
+                return found.loop.submit(locate(tokens, salt=salt))
 
             logger.info("kvtiers: scheduler looks up in the worker's cache (same process)")
             return direct
@@ -117,9 +124,11 @@ class ConnectorParts:
             # NOTE: or a load of all but a token, as a fresh engine's first forward pass,
             # dies in vLLM's AMX attention kernel (see `_amx`).
             logger.debug("kvtiers: this process may use AMX tiles")
+        mamba = topology.mamba_layers
+        attention = {name: t for name, t in kv_caches.items() if name not in mamba}
         paged, layout = topology.worker_layout(
             vllm_config,
-            kv_caches,
+            attention,
             block_size=block_size,
             chunk_size=chunk_size,
             model_name=settings.model_name,
@@ -132,19 +141,26 @@ class ConnectorParts:
         )
         self.entry = entry
         CACHES.publish(self._engine_id, rank, entry)
+        states = None
+        if mamba:
+            states = self._open_states(
+                entry, {n: t for n, t in kv_caches.items() if n in mamba}, layout
+            )
         worker = WorkerSide(
             settings,
             entry,
-            kv_caches,
+            attention,
             paged,
             layout,
             groups=topology.layer_groups,
             async_loads=topology.hybrid,
+            states=states,
         )
         path = socket_path(self._socket_dir, self._engine_id, topology.dp_rank, rank)
+        locate = entry.cache.locate if states is None else states.locate
         server = LookupServer(
             path,
-            lambda tokens, salt: entry.cache.locate(tokens, salt=salt),
+            lambda tokens, salt: locate(tokens, salt=salt),
             functools.partial(worker.clear_cache, settings.close_timeout_s),
         )
         entry.loop.run(server.start(), 30)
@@ -159,6 +175,22 @@ class ConnectorParts:
             path,
         )
         return worker
+
+    def _open_states(
+        self, entry: SharedCache, layers: dict[str, torch.Tensor], layout: KVLayout
+    ) -> StateStore:
+        """Open the cache of a state-space model's states beside the KV's (`_vllm_mamba`)."""
+        topology = self._topology
+        pages = MambaPages(layers, topology.layer_groups, topology.mamba_groups)
+        own = state_layout(layout, pages.state_bytes, topology.tp_rank(), topology.tp_size)
+        source = self._settings.tiers_source()
+        self.states_entry = CACHES.acquire(
+            (config_identity(source), own),
+            lambda: TieredCache(pool_config(source, None, "mamba"), layout=own),
+        )
+        states = StateStore(entry, self.states_entry, pages)
+        entry.extras[_states_name(self._engine_id)] = states
+        return states
 
     # -- both sides --------------------------------------------------------------------
 
@@ -180,4 +212,13 @@ class ConnectorParts:
                     entry.loop.run(server.aclose(), 10)
                 except Exception:
                     logger.exception("kvtiers: closing the lookup server failed")
+            entry.extras.pop(_states_name(self._engine_id), None)
             CACHES.release(entry)
+        states, self.states_entry = self.states_entry, None
+        if states is not None:
+            CACHES.release(states)
+
+
+def _states_name(engine_id: str) -> str:
+    """Return where a worker's `StateStore` is found among its cache's extras."""
+    return f"mamba-states:{engine_id}"

@@ -19,10 +19,12 @@ from kvtiers.core.errors import ConfigError
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "NULL_BLOCK",
     "BlockOrigin",
     "ConnectorSettings",
     "LoadSpec",
     "SaveSpec",
+    "StateSave",
     "GroupBlocks",
     "StepPlan",
     "chunk_size_for",
@@ -37,6 +39,11 @@ GroupBlocks = tuple[tuple[int, ...], ...]
 
 One group for most models; sliding-window groups hold vLLM's null block (id 0) where
 vLLM freed the blocks behind the window."""
+
+NULL_BLOCK = 0
+"""vLLM's null block: where a group's block table points at blocks vLLM freed (behind a
+sliding window, in an earlier chunk of local attention, a Mamba state no longer kept). It
+holds no request's KV and is never attended, so loads skip it."""
 
 #: Tiers used when the extra config names none: one DRAM tier.
 DEFAULT_CONFIG: Mapping[str, Any] = {"tiers": [{"kind": "dram", "capacity": "2GiB"}]}
@@ -153,6 +160,7 @@ def chunk_size_for(
     requested: int | None,
     window: int | None = None,
     attention_chunk: int | None = None,
+    state_space: bool = False,
 ) -> int:
     """Return the chunk size: `requested`, or 256 when `block_size` divides it.
 
@@ -163,7 +171,9 @@ def chunk_size_for(
     attention (`attention_chunk`: the tokens of one local-attention chunk, or the greatest
     common divisor of several) a chunk divides it, so that no chunk straddles the boundary
     behind which vLLM frees the blocks. The default is then the largest multiple of
-    `block_size` that fits, at most the choice above.
+    `block_size` that fits, at most the choice above. A state-space model (`state_space`)
+    keeps its recurrent state at block boundaries only, and a prompt can resume only
+    where a state is kept, so its chunk is one block.
 
     Raises:
         ConfigError: `requested` is not a multiple of `block_size`, exceeds the window's
@@ -171,6 +181,14 @@ def chunk_size_for(
             divides the attention chunk.
     """
     limit = None if window is None else max_chunk_for_window(block_size, window)
+    if state_space:
+        if requested not in (None, block_size):
+            raise ConfigError(
+                f"{_WHERE}.chunk_size: {requested} is not vLLM's block size {block_size}, "
+                "which a state-space model's chunks must be (its state is kept per block); "
+                "leave chunk_size out"
+            )
+        return block_size
     if requested is not None:
         if requested % block_size:
             raise ConfigError(
@@ -256,6 +274,22 @@ class LoadSpec:
     """One past the last token to load; a multiple of the block size."""
     origin: BlockOrigin | None = None
     """vLLM's names of the blocks of `tokens` (KV events on), else `None`."""
+    state_blocks: tuple[int, ...] = ()
+    """A state-space model's state blocks at token `end`, one per Mamba group (in group
+    order), into which the state kept there is loaded; empty for other models."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateSave:
+    """Store a state-space model's recurrent state at the end of `tokens` (its Mamba
+    groups' blocks there hold it after this step's forward pass)."""
+
+    req_id: str
+    tokens: bytes
+    """Token ids (int64 bytes) up to the state, a whole number of chunks."""
+    salt: Salt
+    blocks: tuple[int, ...]
+    """The state's block in each Mamba group, in group order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +317,7 @@ class StepPlan:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    state_saves: list[StateSave] = field(default_factory=list)
     idle: bool = False
     """The step computes no token (its requests wait, e.g. for asynchronous loads)."""
     waiting: bool = False
@@ -292,4 +327,4 @@ class StepPlan:
     until the workers report them finished, so they are reported at once."""
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.released)
+        return bool(self.loads or self.saves or self.state_saves or self.released)

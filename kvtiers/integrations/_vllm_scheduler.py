@@ -31,6 +31,7 @@ from kvtiers.integrations._vllm_plan import (
 )
 from kvtiers.integrations._vllm_prompt import has_items, keyable
 from kvtiers.integrations._vllm_sources import tokens_by_tier
+from kvtiers.integrations._vllm_states import StatePlanner
 from kvtiers.integrations._vllm_tracked import Salt, Tracked, salt_of
 
 __all__ = ["Lookup", "SchedulerSide"]
@@ -58,6 +59,10 @@ class SchedulerSide:
         async_loads: load outside the forward pass (vLLM's hybrid KV-cache manager with
             several KV-cache groups, where vLLM takes no block-level load errors): the
             request waits for its load, and a failed load recomputes the whole request.
+        mamba_groups: a state-space model's Mamba groups (`_vllm_mamba`): hits end where
+            a state is kept, loads carry the state's blocks there, and the step that ends
+            a prompt's prefill saves the state at its checkpoint. Needs `async_loads` and
+            a chunk of one block.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class SchedulerSide:
         role: Role | None = None,
         multimodal: bool = True,
         async_loads: bool = False,
+        mamba_groups: tuple[int, ...] = (),
     ) -> None:
         self._settings = settings
         self._async_loads = async_loads
@@ -87,6 +93,7 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._counts = Counters(COUNTERS)
         self._handoffs = HandoffWaits(settings, clock, self._count)
+        self._states = StatePlanner(mamba_groups, block_size, self._count) if mamba_groups else None
 
     # -- requests ----------------------------------------------------------------------
 
@@ -132,6 +139,8 @@ class SchedulerSide:
         # vLLM's own write of that token's KV comes after it in the layer's forward pass.
         whole = request.num_tokens // self._chunk * self._chunk
         limit = min(whole, request.num_tokens - 1)
+        if self._states is not None:  # a prefill resumes from a state, kept at chunk ends
+            limit = limit // self._chunk * self._chunk
         if not tracked.eligible or tracked.load_failed or limit <= num_computed_tokens:
             return 0, False
         tracked.asked_computed = num_computed_tokens
@@ -222,6 +231,7 @@ class SchedulerSide:
         # its last token, whose slot the load fills before vLLM computes it).
         end_block = -(-end // self._block)
         tracked.loaded = (start, end)
+        states = self._states.load_blocks(tracked, block_ids, end) if self._states else ()
         spec = LoadSpec(
             req_id=request.request_id,
             tokens=tokens_to_bytes(tracked.keyed(answer)),
@@ -230,6 +240,7 @@ class SchedulerSide:
             start=start,
             end=end_block * self._block,
             origin=self._origin(request, answer),
+            state_blocks=states,
         )
         self._plan.loads.append(spec)
         self._count("planned_load_tokens", spec.end - spec.start)
@@ -274,6 +285,8 @@ class SchedulerSide:
             request = tracked.request
             target = request.num_prompt_tokens // self._chunk * self._chunk
             done_after = request.num_computed_tokens + num_new
+            if self._states is not None and done_after >= request.num_prompt_tokens:
+                self._states.plan_save(tracked, block_ids_of(req_id), plan)
             end = min(target, done_after // self._chunk * self._chunk)
             start = tracked.cached
             if end <= start:
@@ -300,7 +313,7 @@ class SchedulerSide:
         for req_id in req_ids:
             tracked = self._reqs.get(req_id)
             if tracked is not None and not tracked.load_failed:
-                tracked.load_failed = True
+                tracked.load_failed, tracked.state_at = True, 0
                 self._count("load_failed_requests")
 
     def request_finished(
@@ -364,6 +377,7 @@ class SchedulerSide:
             tracked.stale = True
         self._plan.released.extend(s.req_id for s in self._plan.saves if s.finished)
         self._plan.saves.clear()
+        self._plan.state_saves.clear()
         self._count("resets")
 
     def _origin(self, request: Any, num_tokens: int) -> BlockOrigin | None:

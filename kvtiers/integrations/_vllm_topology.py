@@ -48,6 +48,9 @@ class Topology:
     without chunked local attention."""
     layer_groups: dict[str, int] = field(default_factory=dict)
     """The KV-cache group of each layer, by name, with more than one group."""
+    mamba_groups: tuple[int, ...] = ()
+    """The KV-cache groups of a state-space model's Mamba layers (vLLM's align mode keeps
+    their recurrent state per block); empty for other models."""
 
     @classmethod
     def of(cls, vllm_config: Any, kv_cache_config: Any, *, store_generated: bool) -> Topology:
@@ -55,15 +58,21 @@ class Topology:
 
         Raises:
             ValueError: the model has KV-cache groups the connector cannot pool (other
-                than full attention, sliding windows and chunked local attention), the
-                engine uses context parallelism (no rank holds whole chunks), or generated
-                tokens are to be stored from KV that vLLM frees during decoding (R-SWA,
-                sliding windows, chunked local attention).
+                than full attention, sliding windows, chunked local attention and Mamba
+                state in vLLM's align mode), the engine uses context parallelism (no rank
+                holds whole chunks), or generated tokens are to be stored from KV that vLLM
+                frees during decoding (R-SWA, sliding windows, chunked local attention) or
+                of a state-space model (no state is kept at their end).
         """
         window, local = _check_supported(
             vllm_config, kv_cache_config, store_generated=store_generated
         )
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        states = tuple(
+            g
+            for g, group in enumerate(groups)
+            if _is_aligned_state(getattr(group, "kv_cache_spec", None))
+        )
         layer_groups = (
             {name: g for g, group in enumerate(groups) for name in group.layer_names}
             if len(groups) > 1
@@ -77,6 +86,7 @@ class Topology:
             window=window,
             attention_chunk=local,
             layer_groups=layer_groups,
+            mamba_groups=states,
         )
 
     @property
@@ -91,9 +101,18 @@ class Topology:
         )
 
     @property
+    def mamba_layers(self) -> frozenset[str]:
+        """Return the names of the Mamba layers (whose state is not KV)."""
+        return frozenset(n for n, g in self.layer_groups.items() if g in self.mamba_groups)
+
+    @property
     def num_ranks(self) -> int:
         """Return the workers of one engine, each with its own shard."""
         return self.tp_size * self.pp_size
+
+    def tp_rank(self) -> int:
+        """Return this worker's tensor-parallel rank."""
+        return _tp_rank() if self.tp_size > 1 else 0
 
     def rank(self) -> int:
         """Return this worker's rank in its engine (`pp_rank * tp_size + tp_rank`)."""
@@ -154,9 +173,9 @@ def _unsupported(spec: Any) -> str:
         # NOTE: vLLM runs state-space and linear-attention models only under its hybrid
         # KV-cache manager, so its flag to turn the manager off is no way out here.
         return (
-            "KVTiersConnector pools attention KV, not the recurrent state of a state-space "
-            f"or linear-attention model ({name}), and vLLM runs such a model only under "
-            "its hybrid KV-cache manager; serve this model without the kvtiers connector"
+            "KVTiersConnector pools the recurrent state of a state-space or linear-attention "
+            f"model ({name}) only where vLLM keeps it per block: serve it with prefix "
+            "caching on and --mamba-cache-mode align, or without the kvtiers connector"
         )
     cross = getattr(kv_cache_interface, "CrossAttentionSpec", None)
     if cross is not None and isinstance(spec, cross):
@@ -185,6 +204,7 @@ def _check_supported(
     specs = [getattr(group, "kv_cache_spec", None) for group in groups]
     windows: list[int] = []
     locals_: list[int] = []
+    states = False
     for spec in specs:
         if spec is None or isinstance(spec, FullAttentionSpec):
             continue
@@ -193,6 +213,11 @@ def _check_supported(
             # connector saves each chunk in the step that completes it (its blocks are
             # all live then) and loads skip the freed ones.
             windows.append(int(spec.sliding_window))
+            continue
+        if _is_aligned_state(spec):
+            # NOTE: vLLM's align mode keeps a Mamba layer's state at block boundaries (one
+            # prefill checkpoint per prompt); the connector stores and loads that state.
+            states = True
             continue
         if type(spec) is ChunkedLocalAttentionSpec:
             # NOTE: vLLM frees a request's blocks of earlier local-attention chunks: a
@@ -211,6 +236,13 @@ def _check_supported(
             f"KVTiersConnector cannot store generated tokens of a {kind} model "
             "under vLLM's hybrid KV-cache manager (vLLM frees their KV while decoding); "
             "set store_generated = false or pass --disable-hybrid-kv-cache-manager"
+        )
+    if states and store_generated:
+        # NOTE: vLLM keeps no state at the end of the generated tokens, only at the prompt's
+        # checkpoint.
+        raise ValueError(
+            "KVTiersConnector cannot store generated tokens of a state-space model (vLLM "
+            "keeps its state only at the prompt's checkpoint); set store_generated = false"
         )
     block_sizes = {int(spec.block_size) for spec in specs if spec is not None}
     block_sizes.add(int(vllm_config.cache_config.block_size))
@@ -234,6 +266,16 @@ def _check_supported(
             # holds whole chunks.
             raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
     return (min(windows) if windows else None), (math.gcd(*locals_) if locals_ else None)
+
+
+def _is_aligned_state(spec: Any) -> bool:
+    """Return whether `spec` is a Mamba group whose state vLLM keeps per block (align mode)."""
+    mamba = getattr(kv_cache_interface, "MambaSpec", None)
+    return (
+        mamba is not None
+        and isinstance(spec, mamba)
+        and getattr(spec, "mamba_cache_mode", None) == "align"
+    )
 
 
 def _tp_rank() -> int:

@@ -70,6 +70,9 @@ class Tracked:
     the whole request, and a lookup could find the same chunks again)."""
     stale: bool = False
     """Tracked when the cache was reset (`SchedulerSide.reset`): it saves nothing more."""
+    state_at: int = 0
+    """A state-space model's tokens at whose end kvtiers holds the request's state (loaded
+    there, or saved), 0 if none."""
 
     def keyed(self, limit: int) -> npt.NDArray[np.int64]:
         """Return the ids that key the request's first `limit` tokens.
@@ -92,4 +95,4 @@ class Tracked:
         if self.future is not None:
             self.future.cancel()
         self.future, self.answer, self.tiers = None, None, ()
-        self.loaded, self.cached, self.awaited = None, 0, 0
+        self.loaded, self.cached, self.awaited, self.state_at = None, 0, 0, 0

@@ -42,17 +42,21 @@ from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._staging import StagingTensors
 from kvtiers.integrations._vllm_counts import COUNTERS, HITS_PREFIX
 from kvtiers.integrations._vllm_kv import PagedLayout
-from kvtiers.integrations._vllm_loads import LayerSet, Load, layer_order, load_from, write_whole
+from kvtiers.integrations._vllm_loads import (
+    LayerSet,
+    Load,
+    idle_wait,
+    layer_order,
+    load_from,
+    write_whole,
+)
+from kvtiers.integrations._vllm_mamba import StateStore
 from kvtiers.integrations._vllm_plan import ConnectorSettings, StepPlan, tokens_of
 from kvtiers.integrations._vllm_saves import SaveSide
 
 __all__ = ["WorkerSide", "layer_order"]
 
 logger = logging.getLogger("kvtiers.vllm")
-
-_IDLE_WAIT_S = 0.005
-"""The longest a step that computes nothing pauses (`idle_wait`). Short, so that a request
-arriving meanwhile is scheduled with little delay."""
 
 
 class WorkerSide:
@@ -66,6 +70,8 @@ class WorkerSide:
         layout: the kvtiers layout (this rank's shard).
         groups: the KV-cache group of each layer, by name (none: one group).
         async_loads: load outside the forward pass (`take_loads`), whole requests.
+        states: a state-space model's states (`_vllm_mamba`), loaded after a request's
+            KV and saved at the step's end.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class WorkerSide:
         layout: KVLayout,
         groups: dict[str, int] | None = None,
         async_loads: bool = False,
+        states: StateStore | None = None,
     ) -> None:
         self._settings = settings
         self._entry = entry
@@ -87,6 +94,9 @@ class WorkerSide:
         self._loads: list[Load] = []
         self._failed: set[int] = set()
         self._counts = Counters(COUNTERS)
+        self._states = states
+        if states is not None:
+            states.count = self._count
         self._tier_hits = [0] * len(entry.cache.tiers)
         self._copies = CopyStream(self._kv.device)
         self._staging = StagingTensors(
@@ -114,8 +124,11 @@ class WorkerSide:
             ids = self._kv.block_ids(spec.block_ids)
             waves: list[tuple[int, int]] = []
             report = functools.partial(self._wave_arrived, waves)
+            loading = load_from(cache, tokens, spec.salt, first, staging, report)
+            if spec.state_blocks and self._states is not None:
+                loading = self._states.load(loading, spec, tokens)
             try:
-                future = loop.submit(load_from(cache, tokens, spec.salt, first, staging, report))
+                future = loop.submit(loading)
             except Exception:  # the loop is gone: every block of the request fails
                 logger.exception("kvtiers: starting a load failed")
                 future = concurrent.futures.Future()
@@ -258,20 +271,8 @@ class WorkerSide:
         return failed
 
     def idle_wait(self, waiting: bool) -> None:
-        """Pause a step that computes nothing until a load ends, for `_IDLE_WAIT_S` at most.
-
-        An engine whose requests all wait (for asynchronous loads, or told to ask again
-        later) steps in a tight loop that holds the GIL the loads' threads need and keeps
-        a core busy, while each empty step changes nothing.
-
-        Args:
-            waiting: the scheduler told a request to ask again later in this step.
-        """
-        if self._waiting:
-            futures = [job.future for job in self._waiting]
-            concurrent.futures.wait(futures, _IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
-        elif waiting:
-            time.sleep(_IDLE_WAIT_S)
+        """Pause a step that computes nothing (`_vllm_loads.idle_wait`)."""
+        idle_wait(self._waiting, waiting)
 
     def take_loads(self) -> tuple[set[str], set[str]]:
         """Settle the asynchronous loads that ended: write them into vLLM's blocks.
@@ -298,10 +299,14 @@ class WorkerSide:
                 if loaded < spec.end:
                     raise RuntimeError(f"{loaded} of {spec.end} tokens found")
                 write_whole(self._kv, job)
+                if spec.state_blocks and self._states is not None:  # one with the other
+                    self._states.write(spec)
                 self._staging.release(job.staging, job.future)
                 self._count("loaded_tokens", spec.end - spec.start)
             except Exception as exc:
                 job.future.cancel()
+                if self._states is not None:
+                    self._states.drop(spec.req_id)
                 logger.warning("kvtiers: a load failed (%s); vLLM recomputes", exc)
                 failed.add(spec.req_id)
                 self._count("load_errors")
@@ -321,11 +326,12 @@ class WorkerSide:
         if i is not None:
             self._saves.save_layer(i, layer)
 
-    def finish_step(self) -> None:
+    def finish_step(self, plan: StepPlan | None = None) -> None:
         """Settle this step's loads, hand its staged saves to the cache in the background.
 
-        Layers the forward pass did not visit (an empty step) are gathered here; vLLM's
-        blocks are no longer needed when this returns.
+        Layers the forward pass did not visit (an empty step) are gathered here, and the
+        plan's recurrent states copied out; vLLM's blocks are no longer needed when this
+        returns.
         """
         if self._loads:
             self._resolve_loads()
@@ -341,6 +347,8 @@ class WorkerSide:
         self._layer_events = {}
         self._deadline = None
         self._saves.finish()
+        if plan is not None and plan.state_saves and self._states is not None:
+            self._states.save_all(plan.state_saves)
 
     def take_finished(self) -> set[str]:
         """Return the finished requests whose final save no longer needs their blocks."""
@@ -355,6 +363,8 @@ class WorkerSide:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             self._entry.loop.run(self._entry.cache.flush(), left)
+            if self._states is not None and not self._states.flush(left):
+                return False
         except Exception as exc:
             logger.warning("kvtiers: flushing the write queues failed: %s", exc)
             return False
@@ -376,7 +386,10 @@ class WorkerSide:
             _, late = await asyncio.wait(running, timeout=timeout)
             if late:
                 logger.warning("kvtiers: clearing with %d loads or saves still running", len(late))
-        return await self._entry.cache.clear()
+        removed = await self._entry.cache.clear()
+        if self._states is not None:
+            removed += await self._states.clear()
+        return removed
 
     def _count(self, name: str, amount: float = 1) -> None:
         self._counts.add(name, amount)

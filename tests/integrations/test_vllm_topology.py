@@ -45,6 +45,12 @@ _CHECK = textwrap.dedent(
     mamba = KVCacheGroupSpec(
         ["layers.1.mixer"], MambaSpec(block_size=16, shapes=((2, 8),), dtypes=(torch.float16,))
     )
+    def aligned(*names):
+        spec = MambaSpec(
+            block_size=16, shapes=((2, 8),), dtypes=(torch.float16,), mamba_cache_mode="align"
+        )
+        return KVCacheGroupSpec(list(names), spec)
+
     wide = KVCacheGroupSpec(
         ["layers.1.attn"], SlidingWindowSpec(**{**dims, "block_size": 32}, sliding_window=64)
     )
@@ -63,7 +69,8 @@ _CHECK = textwrap.dedent(
         return {
             "tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_rank, "ranks": t.num_ranks,
             "window": t.window, "hybrid": t.hybrid, "groups": t.layer_groups,
-            "attention_chunk": t.attention_chunk,
+            "attention_chunk": t.attention_chunk, "mamba_groups": list(t.mamba_groups),
+            "mamba_layers": sorted(t.mamba_layers),
         }
 
     print(json.dumps({
@@ -77,6 +84,10 @@ _CHECK = textwrap.dedent(
         "local_generated": outcome(config(), [full, local], store_generated=True),
         "cross": outcome(config(), [full, cross]),
         "mamba": outcome(config(), [full, mamba]),
+        "mamba_align": outcome(
+            config(), [aligned("layers.0.mixer", "layers.2.mixer"), full, aligned("layers.3.mixer")]
+        ),
+        "mamba_generated": outcome(config(), [full, aligned("layers.1.mixer")], True),
         "block_sizes": outcome(config(), [full, wide]),
         "pcp": outcome(config(prefill_context_parallel_size=2), [full]),
         "dcp": outcome(config(decode_context_parallel_size=2), [full]),
@@ -103,7 +114,7 @@ def test_full_sliding_and_chunked_local_attention_are_accepted_and_the_rest_refu
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["full"] == {
         "tp": 2, "pp": 2, "dp": 1, "ranks": 4, "window": None, "hybrid": False, "groups": {},
-        "attention_chunk": None,
+        "attention_chunk": None, "mamba_groups": [], "mamba_layers": [],
     }  # fmt: skip
     # vLLM's hybrid KV-cache manager: each layer's group, and the smallest window.
     hybrid = got["hybrid"]
@@ -121,10 +132,17 @@ def test_full_sliding_and_chunked_local_attention_are_accepted_and_the_rest_refu
     assert "CrossAttentionSpec" in got["cross"]["error"]
     assert "encoder-decoder" in got["cross"]["error"]
     assert "--disable-hybrid-kv-cache-manager" not in got["cross"]["error"]
-    # vLLM runs a state-space model only under its hybrid manager: no flag helps there.
+    # vLLM runs a state-space model only under its hybrid manager, so turning it off is
+    # no way out: kvtiers pools the state where vLLM keeps it per block (align mode).
     assert "MambaSpec" in got["mamba"]["error"]
+    assert "--mamba-cache-mode align" in got["mamba"]["error"]
     assert "without the kvtiers connector" in got["mamba"]["error"]
     assert "--disable-hybrid-kv-cache-manager" not in got["mamba"]["error"]
+    aligned = got["mamba_align"]
+    assert aligned["mamba_groups"] == [0, 2] and aligned["hybrid"]
+    assert aligned["mamba_layers"] == ["layers.0.mixer", "layers.2.mixer", "layers.3.mixer"]
+    assert "state-space model" in got["mamba_generated"]["error"]
+    assert "store_generated = false" in got["mamba_generated"]["error"]
     assert "block size in every KV-cache group, got [16, 32]" in got["block_sizes"]["error"]
     assert "prefill_context_parallel_size > 1" in got["pcp"]["error"]
     assert "decode_context_parallel_size > 1" in got["dcp"]["error"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtiers import TieredCache
-from kvtiers.integrations import _vllm_worker as worker_module
+from kvtiers.integrations import _vllm_loads as loads_module
 from kvtiers.integrations._runtime import CacheRegistry
 from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_plan import (
@@ -506,11 +506,11 @@ def test_hybrid_layers_move_through_their_group_blocks_and_loads_are_asynchronou
 
     # An idle step (nothing computed) waits a little for a load to end, instead of
     # reporting nothing and stepping again at once; here the wait is made long.
-    monkeypatch.setattr(worker_module, "_IDLE_WAIT_S", 30.0)
+    monkeypatch.setattr(loads_module, "IDLE_WAIT_S", 30.0)
     loading.start_load(StepPlan(loads=[spec]))
     loading.idle_wait(waiting=False)
     assert loading.take_loads() == ({"r2"}, set())
-    monkeypatch.setattr(worker_module, "_IDLE_WAIT_S", 0.0)
+    monkeypatch.setattr(loads_module, "IDLE_WAIT_S", 0.0)
     loading.idle_wait(waiting=True)  # nothing in flight: a pause (of 0 s here)
 
     other = [t + 1000 for t in TOKENS]  # never stored: the load comes up short

@@ -45,8 +45,10 @@ Scenarios:
   with a Llama 4 (chunked local attention).
 - `mamba`: a state-space hybrid (a Mamba-2 layer and an attention layer) runs without
   kvtiers, also with vLLM's own Mamba prefix caching (align mode, which needs the CPU
-  stand-ins of vllm_cpu_mamba.py); with kvtiers, the engine stops at start-up saying to
-  serve the model without it.
+  stand-ins of vllm_cpu_mamba.py); with kvtiers but without align mode, the engine stops
+  at start-up saying what to do. `mamba-pool`: the same model's KV and recurrent state
+  pooled through kvtiers in align mode (vllm_mamba_scenario.py); `mamba-pool-mp`: the same
+  in vLLM's default multiprocess mode.
 - `pressure`: a KV cache too small for the load, so vLLM preempts requests, and requests
   aborted mid-load and mid-decode (vllm_pressure_scenario.py); run on both tiny models.
 """
@@ -797,7 +799,8 @@ def scenario_refused(model: str, work: Path) -> dict[str, Any]:
 
 def scenario_mamba(model: str, work: Path) -> dict[str, Any]:
     """A state-space hybrid: vLLM answers it alone, also with its own Mamba prefix caching
-    (align mode, on CPU stand-ins: vllm_cpu_mamba.py); with kvtiers it stops at start-up."""
+    (align mode, on CPU stand-ins: vllm_cpu_mamba.py); with kvtiers but without align
+    mode it stops at start-up."""
     import vllm_cpu_mamba
 
     prompts = make_prompts(seed=5)
@@ -810,12 +813,11 @@ def scenario_mamba(model: str, work: Path) -> dict[str, Any]:
     result["align"] = align.generate(prompts)
     result["align_block"] = align.llm.llm_engine.vllm_config.cache_config.block_size
     align.close()
-    for name, caching in (("kvtiers", {}), ("kvtiers_align", {"mamba_cache_mode": "align"})):
-        try:
-            Engine(model, tiers(work), prefix_caching=bool(caching), **caching)
-            result[name] = "accepted"
-        except Exception as exc:  # vLLM wraps the connector's error in its own
-            result[name] = f"{type(exc).__name__}: {exc}"
+    try:
+        Engine(model, tiers(work), prefix_caching=False)
+        result["kvtiers"] = "accepted"
+    except Exception as exc:  # vLLM wraps the connector's error in its own
+        result["kvtiers"] = f"{type(exc).__name__}: {exc}"
     return result
 
 
@@ -856,6 +858,8 @@ def main() -> None:
             "chunked",
             "pressure",
             "mamba",
+            "mamba-pool",
+            "mamba-pool-mp",
             "turns",
         ],
     )
@@ -872,6 +876,7 @@ def main() -> None:
         "mla-tp2",
         "handoff-mp",
         "handoff-tp2",
+        "mamba-pool-mp",
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     args.work.mkdir(parents=True, exist_ok=True)
@@ -920,6 +925,14 @@ def main() -> None:
         result = scenario_embeds(args.model, args.work)
     elif args.scenario == "mamba":
         result = scenario_mamba(args.model, args.work)
+    elif args.scenario == "mamba-pool":
+        from vllm_mamba_scenario import scenario_mamba_pool
+
+        result = scenario_mamba_pool(args.model, args.work)
+    elif args.scenario == "mamba-pool-mp":
+        from vllm_mamba_scenario import scenario_mamba_pool_mp
+
+        result = scenario_mamba_pool_mp(args.model, args.work)
     elif args.scenario == "pressure":
         from vllm_pressure_scenario import scenario_pressure
 

@@ -1,0 +1,119 @@
+"""The scheduler's part in pooling a state-space model's state, with stand-in requests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtiers import ConfigError
+from kvtiers.integrations._vllm_handoff import Role
+from kvtiers.integrations._vllm_plan import NULL_BLOCK, ConnectorSettings, chunk_size_for, tokens_of
+from kvtiers.integrations._vllm_scheduler import SchedulerSide
+from kvtiers.integrations._vllm_states import state_blocks, state_position
+from tests.integrations.test_vllm_scheduler import Clock, FakeLookup, request
+
+BLOCK = 96
+MAMBA = (0, 2)  # groups 0 and 2 hold Mamba layers, group 1 attention
+
+
+def side(lookup: FakeLookup) -> SchedulerSide:
+    return SchedulerSide(
+        ConnectorSettings(lookup_wait_ms=0),
+        BLOCK,
+        BLOCK,
+        lambda: lookup,
+        clock=Clock(),
+        role=Role.of("kv_both"),
+        async_loads=True,
+        mamba_groups=MAMBA,
+    )
+
+
+def tables(num_blocks: int) -> tuple[list[int], list[int], list[int]]:
+    """Block tables of three groups, ids distinct and never the null block."""
+    return tuple(list(range(1 + g * 100, 1 + g * 100 + num_blocks)) for g in range(3))  # type: ignore[return-value]
+
+
+@given(st.integers(1, 5000), st.sampled_from([16, 64, 96, 528]))
+def test_the_state_kept_for_reuse_is_at_the_last_block_boundary_before_the_last_token(
+    num_tokens, block
+):
+    """vLLM's checkpoint (without EAGLE): a block boundary, before the last token, at most
+    one block from it; 0 for a prompt of one block or less."""
+    at = state_position(num_tokens, block)
+    assert at % block == 0 and 0 <= at < num_tokens
+    assert num_tokens - at <= block
+
+
+def test_a_state_lives_in_the_block_just_before_its_boundary_in_each_mamba_group():
+    blocks = tables(4)
+    assert state_blocks(blocks, MAMBA, 3 * BLOCK, BLOCK) == (3, 203)
+    assert state_blocks(blocks, MAMBA, 0, BLOCK) == ()  # no state before the first block
+    assert state_blocks(blocks, MAMBA, 5 * BLOCK, BLOCK) == ()  # past the table
+    freed = (blocks[0], blocks[1], [NULL_BLOCK, NULL_BLOCK, 203, 204])
+    assert state_blocks(freed, MAMBA, 2 * BLOCK, BLOCK) == ()  # vLLM freed one group's
+    assert state_blocks(None, MAMBA, BLOCK, BLOCK) == ()
+
+
+def test_a_state_space_model_has_one_block_chunks():
+    assert chunk_size_for(BLOCK, None, state_space=True) == BLOCK
+    assert chunk_size_for(BLOCK, BLOCK, state_space=True) == BLOCK
+    with pytest.raises(ConfigError, match="leave chunk_size out"):
+        chunk_size_for(BLOCK, 2 * BLOCK, state_space=True)
+
+
+def test_hits_end_on_a_chunk_before_the_last_token_and_loads_carry_the_state_blocks():
+    """Every token cached (a prompt of whole blocks): a state-space prefill resumes at a
+    block boundary, so the offer stops a whole block short, not one token short; the load
+    names, per Mamba group, the block the state at its end goes into."""
+    s = side(FakeLookup(hit=4 * BLOCK))
+    r = request(num_tokens=4 * BLOCK)
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * BLOCK, True)
+    s.update_state_after_alloc(r, tables(4), 3 * BLOCK)
+    (load,) = s.build_plan({}, lambda _: None).loads
+    assert load.end == 3 * BLOCK and load.state_blocks == (3, 203)
+
+
+def test_a_load_without_a_block_for_its_state_is_planned_to_fail():
+    s = side(FakeLookup(hit=2 * BLOCK))
+    r = request(num_tokens=2 * BLOCK + 10)
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BLOCK, True)
+    blocks = tables(3)
+    blocks[2][1] = NULL_BLOCK
+    s.update_state_after_alloc(r, blocks, 2 * BLOCK)
+    (load,) = s.build_plan({}, lambda _: None).loads
+    assert load.state_blocks == (NULL_BLOCK,)  # the worker refuses it: vLLM recomputes
+
+
+def test_the_step_that_ends_a_prefill_saves_the_state_at_the_prompts_checkpoint():
+    """Chunked prefill: the first step saves KV only; the step that ends the prompt saves
+    the state at its checkpoint (keyed by the tokens up to it), once."""
+    s = side(FakeLookup(hit=0))
+    r = request(num_tokens=300)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    blocks = tables(4)
+    first = s.build_plan({"r1": 192}, lambda _: blocks)
+    assert first.saves and not first.state_saves
+    r.num_computed_tokens = 192
+    (save,) = s.build_plan({"r1": 108}, lambda _: blocks).state_saves
+    assert save.blocks == (3, 203)  # the state at 288 is in the third block
+    assert tokens_of(save.tokens).tolist() == r.all_token_ids[:288]
+    r.num_computed_tokens = 300
+    assert not s.build_plan({"r1": 1}, lambda _: blocks).state_saves  # decoding
+
+
+def test_no_state_is_saved_where_it_was_loaded_or_where_vllm_kept_none():
+    s = side(FakeLookup(hit=2 * BLOCK))
+    r = request(num_tokens=2 * BLOCK + 50)  # checkpoint 192: the state it resumes from
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BLOCK, True)
+    s.update_state_after_alloc(r, tables(3), 2 * BLOCK)
+    r.num_computed_tokens = 2 * BLOCK
+    assert not s.build_plan({"r1": 50}, lambda _: tables(3)).state_saves
+    other = request("r2", num_tokens=300)
+    s.get_num_new_matched_tokens(other, 0)
+    freed = tables(4)
+    freed[0][2] = NULL_BLOCK
+    plan = s.build_plan({"r2": 300}, lambda _: freed)
+    assert not plan.state_saves
+    assert s.take_counts()["state_saves_missed"] == 1
