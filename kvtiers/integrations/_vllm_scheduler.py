@@ -332,7 +332,9 @@ class SchedulerSide:
         if tracked is None or not tracked.eligible:
             return False, None
         delay = self._save_finished(request, tracked, block_ids)
-        params = announce(tracked.cached) if self._role.announces and tracked.cached else None
+        # NOTE: a state-space prompt resumes only where its state is kept.
+        held = tracked.state_at if self._states is not None else tracked.cached
+        params = announce(held) if self._role.announces and held else None
         return delay, params
 
     def _save_finished(

@@ -446,19 +446,28 @@ def test_the_engine_resumes_from_the_loaded_state_negative_control(mamba_pool):
     assert tokens(result["engine_c"]) != tokens(result["baseline"])
 
 
+@pytest.mark.parametrize(
+    "scenario", ["mamba-pool-mp", pytest.param("mamba-pool-tp2", marks=TWO_CPUS)]
+)
 def test_a_state_space_model_is_pooled_in_vllm_default_multiprocess_mode(
-    vllm_python, tiny_mamba, tmp_path
+    vllm_python, tiny_mamba, tmp_path, scenario
 ):
-    """The scheduler and the worker in separate processes (the CPU stand-ins go into each
-    engine process): the scheduler's lookups reach the worker's states over the lookup
-    channel, and a fresh engine resumes each prompt at its checkpoint, answering as the
-    baseline."""
-    result = result_of(start(vllm_python, tiny_mamba, tmp_path, "mamba-pool-mp"))
+    """The scheduler and the workers in separate processes (the CPU stand-ins go into each
+    engine process): the scheduler's lookups reach the workers' states over the lookup
+    channel (with TP 2, each rank's own states: vLLM splits the Mamba heads), and a fresh
+    engine resumes each prompt at its checkpoint, answering as the baseline."""
+    result = result_of(start(vllm_python, tiny_mamba, tmp_path, scenario))
     baseline, block = tokens(result["baseline"]), result["block"]
     assert tokens(result["engine_a"]) == baseline
     assert tokens(result["engine_b"]) == baseline
     checkpoints = [(len(p) - 1) // block * block for p in result["prompts"]]
     assert [o["cached"] for o in result["engine_b"]] == checkpoints
+    ranks = 2 if scenario.endswith("tp2") else 1
+    layouts = result["state_layouts"]  # the states' LMDB holds one layout per rank
+    assert sorted((x["tp_rank"], x["tp_size"]) for x in layouts) == [
+        (r, ranks) for r in range(ranks)
+    ]
+    assert all(x["model"].endswith("#mamba") for x in layouts)
 
 
 def test_a_tiers_config_that_cannot_work_stops_the_engine_at_start_up(

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtiers import ConfigError
-from kvtiers.integrations._vllm_handoff import Role
+from kvtiers.integrations._vllm_handoff import Role, announced_tokens
 from kvtiers.integrations._vllm_plan import NULL_BLOCK, ConnectorSettings, chunk_size_for, tokens_of
 from kvtiers.integrations._vllm_scheduler import SchedulerSide
 from kvtiers.integrations._vllm_states import state_blocks, state_position
@@ -17,14 +17,14 @@ BLOCK = 96
 MAMBA = (0, 2)  # groups 0 and 2 hold Mamba layers, group 1 attention
 
 
-def side(lookup: FakeLookup) -> SchedulerSide:
+def side(lookup: FakeLookup, kv_role: str = "kv_both") -> SchedulerSide:
     return SchedulerSide(
         ConnectorSettings(lookup_wait_ms=0),
         BLOCK,
         BLOCK,
         lambda: lookup,
         clock=Clock(),
-        role=Role.of("kv_both"),
+        role=Role.of(kv_role),
         async_loads=True,
         mamba_groups=MAMBA,
     )
@@ -117,3 +117,18 @@ def test_no_state_is_saved_where_it_was_loaded_or_where_vllm_kept_none():
     plan = s.build_plan({"r2": 300}, lambda _: freed)
     assert not plan.state_saves
     assert s.take_counts()["state_saves_missed"] == 1
+
+
+def test_a_producer_announces_the_tokens_a_consumer_can_resume_from():
+    """Prefill/decode disaggregation: the KV of a prompt of whole blocks is stored up to
+    its end, but its state only at its checkpoint, a block earlier; the producer announces
+    the checkpoint, so a consumer does not wait for a prefix it could never resume from."""
+    s = side(FakeLookup(hit=0), kv_role="kv_producer")
+    r = request(num_tokens=3 * BLOCK)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    plan = s.build_plan({"r1": 3 * BLOCK}, lambda _: tables(3))
+    assert plan.saves[0].start == 0 and len(tokens_of(plan.saves[0].tokens)) == 3 * BLOCK
+    assert plan.state_saves[0].blocks == (2, 202)  # the state at 192
+    r.num_computed_tokens = 3 * BLOCK
+    _, params = s.request_finished(r, tables(3))
+    assert announced_tokens(params) == 2 * BLOCK

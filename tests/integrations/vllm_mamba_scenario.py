@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import vllm_cpu_mamba
-from vllm_scenarios import Engine, make_prompts, tiers
+from vllm_scenarios import Engine, _layouts_in, bind_ranks, make_prompts, tiers
 
 from kvtiers import TieredCache, cli
 from kvtiers.integrations._side_caches import pool_config
@@ -71,9 +71,10 @@ def scenario_mamba_pool(model: str, work: Path) -> dict[str, Any]:
     return result
 
 
-def scenario_mamba_pool_mp(model: str, work: Path) -> dict[str, Any]:
+def scenario_mamba_pool_mp(model: str, work: Path, tensor_parallel: int = 1) -> dict[str, Any]:
     """As `scenario_mamba_pool`'s engines A and B, in vLLM's default multiprocess mode: the
-    scheduler's lookups reach the worker's states over the lookup channel.
+    scheduler's lookups reach the worker's states over the lookup channel (with
+    `tensor_parallel` 2, each rank's states, the answer the minimum over ranks).
 
     The stand-ins go into every engine process through a `sitecustomize` module (run by
     each Python process that finds it on its path).
@@ -84,15 +85,20 @@ def scenario_mamba_pool_mp(model: str, work: Path) -> dict[str, Any]:
     here = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), here])
     vllm_cpu_mamba.install()
+    if tensor_parallel > 1:
+        bind_ranks(tensor_parallel)
     prompts = make_prompts(seed=5)
-    base = Engine(model, None, prefix_caching=False)
+    base = Engine(model, None, prefix_caching=False, tensor_parallel=tensor_parallel)
     result: dict[str, Any] = {"baseline": base.generate(prompts), "prompts": prompts}
     base.close()
     for name in ("engine_a", "engine_b"):
-        engine = Engine(model, tiers(work), prefix_caching=True, **_ALIGN_MP)
+        engine = Engine(
+            model, tiers(work), prefix_caching=True, tensor_parallel=tensor_parallel, **_ALIGN_MP
+        )
         result[name] = engine.generate(prompts)
         result["block"] = engine.llm.llm_engine.vllm_config.cache_config.block_size
         engine.close()
+    result["state_layouts"] = [ns["layout"] for ns in _layouts_in(work / "lmdb-mamba")]
     return result
 
 

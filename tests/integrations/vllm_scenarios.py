@@ -47,8 +47,8 @@ Scenarios:
   kvtiers, also with vLLM's own Mamba prefix caching (align mode, which needs the CPU
   stand-ins of vllm_cpu_mamba.py); with kvtiers but without align mode, the engine stops
   at start-up saying what to do. `mamba-pool`: the same model's KV and recurrent state
-  pooled through kvtiers in align mode (vllm_mamba_scenario.py); `mamba-pool-mp`: the same
-  in vLLM's default multiprocess mode.
+  pooled through kvtiers in align mode (vllm_mamba_scenario.py); `mamba-pool-mp`,
+  `mamba-pool-tp2`: the same in vLLM's default multiprocess mode, with one and two TP ranks.
 - `pressure`: a KV cache too small for the load, so vLLM preempts requests, and requests
   aborted mid-load and mid-decode (vllm_pressure_scenario.py); run on both tiny models.
 """
@@ -860,6 +860,7 @@ def main() -> None:
             "mamba",
             "mamba-pool",
             "mamba-pool-mp",
+            "mamba-pool-tp2",
             "turns",
         ],
     )
@@ -877,6 +878,7 @@ def main() -> None:
         "handoff-mp",
         "handoff-tp2",
         "mamba-pool-mp",
+        "mamba-pool-tp2",
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     args.work.mkdir(parents=True, exist_ok=True)
@@ -933,6 +935,10 @@ def main() -> None:
         from vllm_mamba_scenario import scenario_mamba_pool_mp
 
         result = scenario_mamba_pool_mp(args.model, args.work)
+    elif args.scenario == "mamba-pool-tp2":
+        from vllm_mamba_scenario import scenario_mamba_pool_mp
+
+        result = scenario_mamba_pool_mp(args.model, args.work, tensor_parallel=2)
     elif args.scenario == "pressure":
         from vllm_pressure_scenario import scenario_pressure
 
