@@ -285,8 +285,8 @@ class SchedulerSide:
             request = tracked.request
             target = request.num_prompt_tokens // self._chunk * self._chunk
             done_after = request.num_computed_tokens + num_new
-            if self._states is not None and done_after >= request.num_prompt_tokens:
-                self._states.plan_save(tracked, block_ids_of(req_id), plan)
+            if self._states is not None:
+                self._states.plan_save(tracked, block_ids_of(req_id), plan, done_after)
             end = min(target, done_after // self._chunk * self._chunk)
             start = tracked.cached
             if end <= start:

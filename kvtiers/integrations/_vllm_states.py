@@ -3,9 +3,10 @@
 vLLM's align mode keeps a Mamba layer's state at block boundaries, each in the block just
 before its boundary. The scheduler offers a prefix only up to a chunk end (a chunk is one
 block for such a model: `chunk_size_for`), whose state the workers check (`_vllm_mamba`);
-a load carries the block of each Mamba group that the state at its end goes into; and the
-step that ends a prompt's prefill saves the state at the prompt's checkpoint, the one vLLM
-keeps for reuse, before a later step frees its block.
+a load carries the block of each Mamba group that the state at its end goes into; and a
+step saves the state it leaves where vLLM keeps one (the prompt's checkpoint when the
+prefill ends, a step's end when a prefill is cut into steps), before a later step frees
+its block.
 
 Nothing here imports vLLM or torch.
 """
@@ -69,13 +70,37 @@ class StatePlanner:
         return state_blocks(block_ids, self._groups, end, self._block) or (NULL_BLOCK,)
 
     def plan_save(
-        self, tracked: Tracked, block_ids: Sequence[Sequence[int]] | None, plan: StepPlan
+        self,
+        tracked: Tracked,
+        block_ids: Sequence[Sequence[int]] | None,
+        plan: StepPlan,
+        done_after: int,
     ) -> None:
-        """Save the state at the prompt's checkpoint, in the step that ends its prefill,
-        unless kvtiers holds it already."""
+        """Save the state this step leaves where vLLM keeps one, unless kvtiers has it.
+
+        That is the prompt's checkpoint in the step that ends its prefill, and the step's
+        end where a prefill is cut into steps (align mode ends them on block boundaries;
+        vLLM also ends one where a prompt parts from a prefix another prompt shares). The
+        state at a step's end is in the block just before it once the step's forward pass
+        ran; a later step frees it.
+
+        Args:
+            tracked: the request.
+            block_ids: its blocks per KV-cache group (`None`: unknown).
+            plan: this step's plan, which gets the save.
+            done_after: the request's computed tokens after this step.
+        """
         request = tracked.request
-        at = state_position(request.num_prompt_tokens, self._block)
-        if at <= tracked.state_at or request.num_computed_tokens >= request.num_prompt_tokens:
+        prompt = request.num_prompt_tokens
+        if request.num_computed_tokens >= prompt:
+            return  # decoding: vLLM keeps no state past the prompt's checkpoint
+        if done_after >= prompt:
+            at = state_position(prompt, self._block)
+        elif done_after % self._block == 0:
+            at = done_after
+        else:
+            return
+        if at <= tracked.state_at:
             return
         blocks = state_blocks(block_ids, self._groups, at, self._block)
         if not blocks:

@@ -438,6 +438,28 @@ def test_a_state_space_prefix_without_its_state_is_not_offered(mamba_pool):
     assert result["engine_d"][0]["cached"] == 0  # the first prompt: nothing from kvtiers
 
 
+def test_a_state_space_prefill_cut_into_steps_stores_each_steps_end_state(mamba_pool):
+    """Engine E prefills one block per step: the state at each step's end is stored too,
+    so a fresh engine resumes a prompt that shares only 150 tokens with the others at the
+    first block's end (no prompt has its checkpoint there), answering as the baseline."""
+    result = mamba_pool
+    assert tokens(result["engine_e"]) == tokens(result["baseline"])
+    assert result["engine_e_stats"]["state_saves"] > len(result["baseline"])
+    assert result["engine_f"][0]["cached"] == result["block"]
+    assert tokens(result["engine_f"]) == tokens(result["partial_baseline"])
+
+
+def test_a_state_space_prompt_resumes_where_earlier_prompts_parted(mamba_pool):
+    """Prompts sharing 250 tokens, checkpoints past them: vLLM ends the second prompt's
+    step where it parts from the first and keeps the state there; kvtiers stores it, so a
+    fresh engine resumes the third at that block boundary, answering as the baseline."""
+    result = mamba_pool
+    assert [o["cached"] for o in result["junction_first"]] == [0, 0]
+    (third,) = result["junction_third"]
+    assert third["cached"] == 250 // result["block"] * result["block"] > 0
+    assert tokens(result["junction_third"]) == tokens(result["junction_baseline"])
+
+
 def test_the_engine_resumes_from_the_loaded_state_negative_control(mamba_pool):
     """With other values stored as the states (through the public API), a fresh engine
     loads them and answers otherwise: the engine reads the state kvtiers loads."""

@@ -86,19 +86,23 @@ def test_a_load_without_a_block_for_its_state_is_planned_to_fail():
     assert load.state_blocks == (NULL_BLOCK,)  # the worker refuses it: vLLM recomputes
 
 
-def test_the_step_that_ends_a_prefill_saves_the_state_at_the_prompts_checkpoint():
-    """Chunked prefill: the first step saves KV only; the step that ends the prompt saves
-    the state at its checkpoint (keyed by the tokens up to it), once."""
+def test_each_step_saves_the_state_it_leaves_where_vllm_keeps_one():
+    """Chunked prefill: a step that ends on a block boundary saves the state there; the step
+    that ends the prompt saves the state at its checkpoint (keyed by the tokens up to it);
+    a step ending inside a block, and decoding, save none."""
     s = side(FakeLookup(hit=0))
     r = request(num_tokens=300)
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     blocks = tables(4)
-    first = s.build_plan({"r1": 192}, lambda _: blocks)
-    assert first.saves and not first.state_saves
-    r.num_computed_tokens = 192
-    (save,) = s.build_plan({"r1": 108}, lambda _: blocks).state_saves
-    assert save.blocks == (3, 203)  # the state at 288 is in the third block
-    assert tokens_of(save.tokens).tolist() == r.all_token_ids[:288]
+    (first,) = s.build_plan({"r1": 2 * BLOCK}, lambda _: blocks).state_saves
+    assert first.blocks == (2, 202)  # the state at 192 is in the second block
+    assert tokens_of(first.tokens).tolist() == r.all_token_ids[: 2 * BLOCK]
+    r.num_computed_tokens = 2 * BLOCK
+    assert not s.build_plan({"r1": 50}, lambda _: blocks).state_saves  # inside a block
+    r.num_computed_tokens = 2 * BLOCK + 50
+    (last,) = s.build_plan({"r1": 58}, lambda _: blocks).state_saves
+    assert last.blocks == (3, 203)  # the checkpoint: the state at 288, in the third block
+    assert tokens_of(last.tokens).tolist() == r.all_token_ids[:288]
     r.num_computed_tokens = 300
     assert not s.build_plan({"r1": 1}, lambda _: blocks).state_saves  # decoding
 

@@ -10,13 +10,20 @@ attention layer):
 - with the states removed from kvtiers (the KV kept), a fresh engine D is offered nothing
   (a prefill cannot resume without a state) and answers as the baseline;
 - with other values stored as the states (1.0 in every 32 bits, through the public API), a
-  fresh engine C answers otherwise: the engine reads the loaded state.
+  fresh engine C answers otherwise: the engine reads the loaded state;
+- engine E prefills in steps of one block (another LMDB path), so the state at each step's
+  end is stored too, and a fresh engine F resumes a prompt that shares only 150 tokens
+  with the others at 96, where no prompt has its checkpoint;
+- prompts that share a prefix past which their checkpoints lie: vLLM ends the second one's
+  step where it parts from the first, kvtiers stores that state, and a fresh engine
+  resumes the third there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +45,10 @@ _ALIGN: dict[str, Any] = {
 def scenario_mamba_pool(model: str, work: Path) -> dict[str, Any]:
     vllm_cpu_mamba.install()
     prompts = make_prompts(seed=5)
+    partial = prompts[0][:150] + list(range(3, 103))  # shares 150 tokens with the prompts
     base = Engine(model, None, prefix_caching=False, logprobs=20)
     result: dict[str, Any] = {"baseline": base.generate(prompts), "prompts": prompts}
+    result["partial_baseline"] = base.generate([partial])
     base.close()
 
     a = Engine(model, tiers(work), prefix_caching=True, **_ALIGN)
@@ -57,6 +66,21 @@ def scenario_mamba_pool(model: str, work: Path) -> dict[str, Any]:
     state_layout = b.connector._parts.states_entry.cache.layout
     b.close()
 
+    # Prefill cut into steps of one block: each step's end state is stored too, so a prompt
+    # sharing only 150 tokens resumes at 96, where no prompt has its checkpoint.
+    e = Engine(
+        model, tiers(work, "steps"), prefix_caching=True, max_num_batched_tokens=96, **_ALIGN
+    )
+    result["engine_e"] = e.generate(prompts)
+    e.settle()
+    result["engine_e_stats"] = dict(e.reported)
+    e.close()
+    f = Engine(model, tiers(work, "steps"), prefix_caching=True, **_ALIGN)
+    result["engine_f"] = f.generate([partial])
+    f.close()
+
+    result.update(_junction(model, work))
+
     asyncio.run(_replace_states(work, kv_layout, state_layout, prompts, None))
     d = Engine(model, tiers(work), prefix_caching=True, **_ALIGN)
     result["engine_d"] = d.generate(prompts)
@@ -68,6 +92,25 @@ def scenario_mamba_pool(model: str, work: Path) -> dict[str, Any]:
     c.settle()
     result["engine_c_stats"] = dict(c.reported)
     c.close()
+    return result
+
+
+def _junction(model: str, work: Path) -> dict[str, Any]:
+    """Prompts sharing 250 tokens, whose checkpoints lie past them: the second one's prefill
+    ends a step where it parts from the first (vLLM keeps the state there), and kvtiers
+    stores it like any step end, so a fresh engine resumes the third there."""
+    rng = random.Random(7)
+    head = [rng.randrange(3, 500) for _ in range(250)]
+    prompts = [head + [rng.randrange(3, 500) for _ in range(200)] for _ in range(3)]
+    base = Engine(model, None, prefix_caching=False)
+    result: dict[str, Any] = {"junction_baseline": base.generate(prompts[2:])}
+    base.close()
+    g = Engine(model, tiers(work, "junction"), prefix_caching=True, **_ALIGN)
+    result["junction_first"] = g.generate(prompts[:1]) + g.generate(prompts[1:2])
+    g.close()
+    h = Engine(model, tiers(work, "junction"), prefix_caching=True, **_ALIGN)
+    result["junction_third"] = h.generate(prompts[2:])
+    h.close()
     return result
 
 
