@@ -38,12 +38,13 @@ from benchmarks.bench_vllm_ttft import (
     _fresh_each,
     _kvtiers,
     _log,
-    _ttft,
     _ttfts,
     build_model,
     engine_main,
     medians,
+    recorder,
     run_engine_side,
+    uncached,
 )
 
 WINDOW = 512
@@ -75,17 +76,11 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     }
     warmup = tokens(shared + distinct)
     out: dict[str, Any] = {}
-
-    def put(row: str, res: tuple[list[float], list[int]]) -> None:
-        out[row], out[f"cached_{row}"] = res
-        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
-
-    _log("no cache")
-    llm = _engine(model, None)
-    _ttft(llm, warmup)
-    put("none", _ttfts(llm, prompts))
-    put("none_new", _ttfts(llm, [p for r in range(_ROUNDS) for p in fresh["hybrid", r]]))
-    _close(llm)
+    put = recorder(out)
+    new = [p for r in range(_ROUNDS) for p in fresh["hybrid", r]]
+    none, none_new = uncached(model, warmup, prompts, new)
+    put("none", none)
+    put("none_new", none_new)
 
     put("floor", _floor(model, warmup, prompts))
 

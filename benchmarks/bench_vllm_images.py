@@ -48,6 +48,7 @@ from benchmarks.bench_vllm_ttft import (
     _log,
     engine_main,
     medians,
+    recorder,
     run_engine_side,
 )
 
@@ -123,10 +124,7 @@ def engine_side(model: str, work: Path, text_tokens: int, count: int) -> dict[st
         {"prompt": texts[i], "multi_modal_data": {"image": _image(100 + i)}} for i in range(count)
     ]
     out: dict[str, Any] = {}
-
-    def put(row: str, res: tuple[list[float], list[int]]) -> None:
-        out[row], out[f"cached_{row}"] = res
-        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
+    put = recorder(out)
 
     _log("no cache")
     llm = _engine(model, None)

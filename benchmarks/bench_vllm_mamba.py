@@ -45,7 +45,9 @@ from benchmarks.bench_vllm_ttft import (
     build_model,
     engine_main,
     medians,
+    recorder,
     run_engine_side,
+    uncached,
 )
 
 _MARK = "MAMBA_RESULT "
@@ -70,16 +72,9 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     unseen = [tokens(shared + distinct) for _ in range(count)]
     warmup = tokens(shared + distinct)
     out: dict[str, Any] = {}
-
-    def put(row: str, res: tuple[list[float], list[int]]) -> None:
-        out[row], out[f"cached_{row}"] = res
-        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
-
-    _log("no cache")
-    llm = _engine(model, None)
-    _ttft(llm, warmup)
-    put("none", _ttfts(llm, prompts))
-    _close(llm)
+    put = recorder(out)
+    (none,) = uncached(model, warmup, prompts)
+    put("none", none)
 
     _log("vLLM's align mode")
     llm = _engine(model, None, **_ALIGN)

@@ -148,6 +148,31 @@ def _ttfts(
     return [t for t, _ in pairs], [c for _, c in pairs]
 
 
+Row = tuple[list[float], list[int]]
+"""A row's timings: seconds per request, and the tokens each found cached."""
+
+
+def recorder(out: dict[str, Any]) -> Callable[[str, Row], None]:
+    """Return `put(row, timings)`: keep a row's timings in `out` (and its cached tokens under
+    `cached_<row>`), and log them."""
+
+    def put(row: str, res: Row) -> None:
+        out[row], out[f"cached_{row}"] = res
+        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
+
+    return put
+
+
+def uncached(model: str, warmup: list[int], *prompt_sets: list[list[int]]) -> list[Row]:
+    """Time each set of prompts on one engine without any cache, after an untimed warm-up."""
+    _log("no cache")
+    llm = _engine(model, None)
+    _ttft(llm, warmup)
+    rows = [_ttfts(llm, prompts) for prompts in prompt_sets]
+    _close(llm)
+    return rows
+
+
 def _floor(
     model: str, warmup: list[int], prompts: list[list[int]]
 ) -> tuple[list[float], list[int]]:
@@ -194,17 +219,10 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     warmup = tokens(shared + distinct)
     can_drop = os.geteuid() == 0
     out: dict[str, Any] = {"can_drop": can_drop}
-
-    def put(row: str, res: tuple[list[float], list[int]]) -> None:
-        out[row], out[f"cached_{row}"] = res
-        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
-
-    _log("no cache")
-    llm = _engine(model, None)
-    _ttft(llm, warmup)
-    put("none", _ttfts(llm, prompts))
-    put("none_new", _ttfts(llm, fresh))
-    _close(llm)
+    put = recorder(out)
+    none, none_new = uncached(model, warmup, prompts, fresh)
+    put("none", none)
+    put("none_new", none_new)
 
     put("floor", _floor(model, warmup, prompts))
 
