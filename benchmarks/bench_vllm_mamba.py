@@ -26,15 +26,12 @@ Run: `python -m benchmarks.bench_vllm_mamba [--quick]`.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Result
 from benchmarks.bench_vllm_ttft import (
-    SIZE_ENV,
-    SIZES,
     _close,
     _engine,
     _fresh_each,
@@ -47,6 +44,7 @@ from benchmarks.bench_vllm_ttft import (
     medians,
     recorder,
     run_engine_side,
+    size_of,
     uncached,
 )
 
@@ -98,8 +96,7 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
 
 def run(quick: bool) -> list[Result]:
     """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
-    size = "quick" if quick else os.environ.get(SIZE_ENV, "full")
-    layers, hidden, shared, distinct, count = SIZES[size]
+    layers, hidden, shared, distinct, count = size_of(quick)
     with tempfile.TemporaryDirectory(prefix="kvtiers-mamba-") as tmp:
         work = Path(tmp)
         model, env = build_model(work, layers, hidden, "--mamba")

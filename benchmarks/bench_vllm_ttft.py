@@ -334,12 +334,21 @@ def engine_main(
         main(run, doc.splitlines()[0])
 
 
-def run(quick: bool) -> list[Result]:
-    """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
+def size_of(quick: bool) -> tuple[int, int, int, int, int]:
+    """Return the run's `SIZES` entry: `quick`, else the one `SIZE_ENV` names (`full`).
+
+    Raises:
+        SystemExit: `SIZE_ENV` names no size.
+    """
     name = os.environ.get(SIZE_ENV, "full")
     if name not in SIZES:
         raise SystemExit(f"{SIZE_ENV}: expected one of {', '.join(SIZES)}, got {name!r}")
-    layers, hidden, shared, distinct, count = SIZES["quick" if quick else name]
+    return SIZES["quick" if quick else name]
+
+
+def run(quick: bool) -> list[Result]:
+    """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
+    layers, hidden, shared, distinct, count = size_of(quick)
     with tempfile.TemporaryDirectory(prefix="kvtiers-ttft-") as tmp:
         work = Path(tmp)
         model, env = build_model(work, layers, hidden)
