@@ -23,13 +23,22 @@ _OPTIONS = "hicache-storage-backend-extra-config"
 
 
 def pool_config(
-    source: str | Mapping[str, Any], own: str | Mapping[str, Any] | None, name: str
+    source: str | Mapping[str, Any],
+    own: str | Mapping[str, Any] | None,
+    name: str,
+    where: str | None = None,
 ) -> CacheConfig:
     """Return the config of the cache that holds pool `name`.
 
-    `own` (the pool's entry in the backend's `pools` option) is used as it is. Otherwise
-    the KV config's tiers are taken with each `path` suffixed `-<name>`, and without the
+    `own` (the pool's own config, as the user named it) is used as it is. Otherwise the
+    KV config's tiers are taken with each `path` suffixed `-<name>`, and without the
     metrics endpoint and the event queue (the KV cache serves those).
+
+    Args:
+        source: the KV cache's config.
+        own: the pool's own config, if the user named one.
+        name: the pool's name (the LMDB path suffix).
+        where: the option naming `own`, for messages; SGLang's `pools.<name>` by default.
 
     Raises:
         ConfigError: a config cannot be read or is invalid.
@@ -38,8 +47,9 @@ def pool_config(
         config = load_config(own)
         clash = lmdb_paths(config) & lmdb_paths(load_config(source))
         if clash:
+            option = where or f"{_OPTIONS}.pools.{name}"
             raise ConfigError(
-                f"{_OPTIONS}.pools.{name}: lmdb path {min(clash)!r} is the KV cache's; "
+                f"{option}: lmdb path {min(clash)!r} is the KV cache's; "
                 f"an LMDB environment opens once per process, so give the pool its own"
             )
         return config

@@ -23,7 +23,6 @@ from kvtiers.cache import TieredCache
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._amx import request_amx_tiles
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
-from kvtiers.integrations._side_caches import pool_config
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
 from kvtiers.integrations._vllm_mamba import MambaPages, StateStore, state_layout
 from kvtiers.integrations._vllm_plan import ConnectorSettings
@@ -183,10 +182,11 @@ class ConnectorParts:
         topology = self._topology
         pages = MambaPages(layers, topology.layer_groups, topology.mamba_groups)
         own = state_layout(layout, pages.state_bytes, topology.tp_rank(), topology.tp_size)
-        source = self._settings.tiers_source()
+        settings = self._settings
+        source = settings.tiers_source() if settings.mamba_config is None else settings.mamba_config
         self.states_entry = CACHES.acquire(
             (config_identity(source), own),
-            lambda: TieredCache(pool_config(source, None, "mamba"), layout=own),
+            lambda: TieredCache(settings.states_config(), layout=own),
         )
         states = StateStore(entry, self.states_entry, pages)
         entry.extras[_states_name(self._engine_id)] = states

@@ -15,7 +15,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtiers.core.checks import is_int
+from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import ConfigError
+from kvtiers.integrations._side_caches import pool_config
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -89,6 +91,9 @@ class ConnectorSettings:
     """How long a request waits for KV a producer announced (prefill/decode hand-off)."""
     handoff_poll_ms: float = 10.0
     """While a request waits for announced KV: the pause between two of its lookups."""
+    mamba_config: str | Mapping[str, Any] | None = None
+    """The kvtiers config of a state-space model's states (a path or a table); the KV
+    config's tiers, each LMDB path suffixed `-mamba`, by default."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -109,8 +114,9 @@ class ConnectorSettings:
         return settings
 
     def _check(self) -> None:
-        if self.config is not None and not isinstance(self.config, str | Mapping):
-            raise ConfigError(f"{_WHERE}.config: expected a file path or a table")
+        for name in ("config", "mamba_config"):
+            if not isinstance(getattr(self, name), str | Mapping | None):
+                raise ConfigError(f"{_WHERE}.{name}: expected a file path or a table")
         if self.chunk_size is not None and (
             isinstance(self.chunk_size, bool)
             or not isinstance(self.chunk_size, int)
@@ -153,6 +159,15 @@ class ConnectorSettings:
     def tiers_source(self) -> str | Mapping[str, Any]:
         """Return the kvtiers config to build the cache from."""
         return DEFAULT_CONFIG if self.config is None else self.config
+
+    def states_config(self) -> CacheConfig:
+        """Return the config of a state-space model's states' cache (`mamba_config`).
+
+        Raises:
+            ConfigError: the config cannot be read, or shares an LMDB path with the KV's.
+        """
+        source, own = self.tiers_source(), self.mamba_config
+        return pool_config(source, own, "mamba", where=f"{_WHERE}.mamba_config")
 
 
 def chunk_size_for(

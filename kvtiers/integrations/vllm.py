@@ -97,6 +97,10 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._topology = Topology.of(
             vllm_config, kv_cache_config, store_generated=self._settings.store_generated
         )
+        if self._topology.mamba_groups:
+            TieredCache.check_tiers(self._settings.states_config())
+        elif self._settings.mamba_config is not None:
+            logger.warning("kvtiers: the model has no Mamba layers; mamba_config is unused")
         self._block_size = int(vllm_config.cache_config.block_size)
         self._chunk_size = chunk_size_for(
             self._block_size,

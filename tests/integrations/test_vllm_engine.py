@@ -452,12 +452,15 @@ def test_a_state_space_prefill_cut_into_steps_stores_each_steps_end_state(mamba_
 def test_a_state_space_prompt_resumes_where_earlier_prompts_parted(mamba_pool):
     """Prompts sharing 250 tokens, checkpoints past them: vLLM ends the second prompt's
     step where it parts from the first and keeps the state there; kvtiers stores it, so a
-    fresh engine resumes the third at that block boundary, answering as the baseline."""
+    fresh engine resumes the third at that block boundary, answering as the baseline. These
+    engines name a `mamba_config`: the states are kept there, not beside the KV."""
     result = mamba_pool
     assert [o["cached"] for o in result["junction_first"]] == [0, 0]
     (third,) = result["junction_third"]
     assert third["cached"] == 250 // result["block"] * result["block"] > 0
     assert tokens(result["junction_third"]) == tokens(result["junction_baseline"])
+    (layout,) = result["junction_states"]
+    assert layout["model"].endswith("#mamba") and not result["junction_beside"]
 
 
 def test_the_engine_resumes_from_the_loaded_state_negative_control(mamba_pool):

@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvtiers import TieredCache
+from kvtiers import ConfigError, TieredCache
 from kvtiers.integrations._runtime import CacheRegistry, SharedCache
 from kvtiers.integrations._vllm_mamba import MambaPages, StateStore, state_layout
-from kvtiers.integrations._vllm_plan import NULL_BLOCK, LoadSpec, StateSave, tokens_to_bytes
+from kvtiers.integrations._vllm_plan import (
+    NULL_BLOCK,
+    ConnectorSettings,
+    LoadSpec,
+    StateSave,
+    tokens_to_bytes,
+)
 from tests.conftest import make_config, small_layout
 
 LAYOUT = small_layout()
@@ -159,3 +165,26 @@ def test_saves_are_counted(store):
     states.save_all([StateSave("r", tokens_to_bytes(TOKENS[:CHUNK]), None, (1, 1))])
     assert states.flush(30)
     assert counted == ["state_saves"]
+
+
+def test_the_states_cache_has_its_own_config_or_the_kvs_tiers_beside_them(tmp_path):
+    """`mamba_config` sizes the states' cache; without it the states take the KV config's
+    tiers, each LMDB path suffixed `-mamba` (an LMDB environment opens once per process)."""
+    lmdb = {"kind": "lmdb", "path": str(tmp_path / "kv"), "capacity": "1GiB"}
+    kv = {"tiers": [{"kind": "dram", "capacity": "64MiB"}, lmdb]}
+    beside = ConnectorSettings.from_extra({"config": kv}).states_config()
+    assert [t.kind for t in beside.tiers] == ["dram", "lmdb"]
+    assert beside.tiers[0].capacity_bytes == 64 << 20
+    assert beside.tiers[1].options["path"] == str(tmp_path / "kv-mamba")
+    path = tmp_path / "mamba.toml"
+    path.write_text('[[tiers]]\nkind = "dram"\ncapacity = "8MiB"\n')
+    own = ConnectorSettings.from_extra({"config": kv, "mamba_config": str(path)}).states_config()
+    assert [(t.kind, t.capacity_bytes) for t in own.tiers] == [("dram", 8 << 20)]
+    clash = ConnectorSettings.from_extra({"config": kv, "mamba_config": {"tiers": [lmdb]}})
+    with pytest.raises(ConfigError, match="extra_config.mamba_config: lmdb path .* KV cache's"):
+        clash.states_config()
+    bad = ConnectorSettings.from_extra({"config": kv, "mamba_config": {"tiers": [{"kind": "x"}]}})
+    with pytest.raises(ConfigError, match="tiers"):
+        TieredCache.check_tiers(bad.states_config())
+    with pytest.raises(ConfigError, match="mamba_config: expected a file path or a table"):
+        ConnectorSettings.from_extra({"mamba_config": 3})

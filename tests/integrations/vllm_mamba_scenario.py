@@ -16,7 +16,8 @@ attention layer):
   with the others at 96, where no prompt has its checkpoint;
 - prompts that share a prefix past which their checkpoints lie: vLLM ends the second one's
   step where it parts from the first, kvtiers stores that state, and a fresh engine
-  resumes the third there.
+  resumes the third there; these engines keep the states under a `mamba_config` of their
+  own.
 """
 
 from __future__ import annotations
@@ -98,19 +99,23 @@ def scenario_mamba_pool(model: str, work: Path) -> dict[str, Any]:
 def _junction(model: str, work: Path) -> dict[str, Any]:
     """Prompts sharing 250 tokens, whose checkpoints lie past them: the second one's prefill
     ends a step where it parts from the first (vLLM keeps the state there), and kvtiers
-    stores it like any step end, so a fresh engine resumes the third there."""
+    stores it like any step end, so a fresh engine resumes the third there. The states go
+    to the LMDB path `mamba_config` names, not beside the KV's."""
+    own = {**_ALIGN, "extra": {"chunk_size": None, "mamba_config": tiers(work, "junction-st")}}
     rng = random.Random(7)
     head = [rng.randrange(3, 500) for _ in range(250)]
     prompts = [head + [rng.randrange(3, 500) for _ in range(200)] for _ in range(3)]
     base = Engine(model, None, prefix_caching=False)
     result: dict[str, Any] = {"junction_baseline": base.generate(prompts[2:])}
     base.close()
-    g = Engine(model, tiers(work, "junction"), prefix_caching=True, **_ALIGN)
+    g = Engine(model, tiers(work, "junction"), prefix_caching=True, **own)
     result["junction_first"] = g.generate(prompts[:1]) + g.generate(prompts[1:2])
     g.close()
-    h = Engine(model, tiers(work, "junction"), prefix_caching=True, **_ALIGN)
+    h = Engine(model, tiers(work, "junction"), prefix_caching=True, **own)
     result["junction_third"] = h.generate(prompts[2:])
     h.close()
+    result["junction_states"] = [ns["layout"] for ns in _layouts_in(work / "junction-st")]
+    result["junction_beside"] = (work / "junction-mamba").exists()
     return result
 
 
