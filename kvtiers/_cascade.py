@@ -8,7 +8,7 @@ from kvtiers._movement import Slot
 from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout
-from kvtiers.eviction import available_policies, make_policy
+from kvtiers.eviction import HintedPolicy, available_policies, make_policy
 from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.pinned import pinned_allocator
 from kvtiers.tiers.base import HostCopy
@@ -52,7 +52,7 @@ def build_slots(
             capacity = getattr(tier, "num_chunks", None) or max(
                 1, tc.capacity_bytes // layout.chunk_bytes
             )
-            policy = make_policy(tc.eviction, capacity)
+            policy = HintedPolicy(make_policy(tc.eviction, capacity))
         if tc.index > 0 and tc.write_policy == "write_back" and slots[-1].policy is None:
             raise ConfigError(
                 f"{tc.where}.write_policy: 'write_back' needs the tier above to be evicted by "

@@ -15,7 +15,7 @@ from kvtiers._endpoints import ChunkSink, ChunkSource, Copies
 from kvtiers._movement import Mover
 from kvtiers._streaming import OnLayers, gather_layerwise
 from kvtiers._tally import CallTally
-from kvtiers._tensors import check_chunks
+from kvtiers._tensors import check_chunks, keep_hint
 from kvtiers.core.errors import InvalidInputError, TokenError
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import KEY_BYTES, ChunkHasher, ChunkKey
@@ -141,26 +141,34 @@ class KeyLevelAPI:
 
     @tracked
     async def put_chunks(
-        self, keys: Any, srcs: Any, *, parent: ChunkKey | None = None
+        self,
+        keys: Any,
+        srcs: Any,
+        *,
+        parent: ChunkKey | None = None,
+        keep_chunks: int | None = None,
     ) -> list[bool]:
         """Cache the chunk `srcs[i]` under `keys[i]`, as `store` does for token chunks.
 
         `keys` is a piece of a chain in prefix order; `parent`, the key of the chunk
         before `keys[0]`, links the piece to its prefix so eviction stays leaf-first.
+        `keep_chunks` is the reuse hint (`store`'s `keep_tokens`), counted in the piece's
+        leading chunks.
 
         Returns:
             Per key, whether a tier holds it now.
 
         Raises:
-            InvalidInputError: a key is not 16 bytes.
+            InvalidInputError: a key is not 16 bytes, or a bad `keep_chunks`.
             LayoutMismatch: a source has the wrong dtype or shape, or the counts differ.
         """
         start = time.perf_counter()
         keys = _check_keys(keys)
         _check_parent(parent)
+        keep = keep_hint("keep_chunks", keep_chunks)
         tensors = check_chunks(self.layout, srcs, len(keys), "srcs")
         source = ChunkSource(self.layout, tensors, self._copies)
-        new_chunks = await self._mover.store(keys, source) if keys else 0
+        new_chunks = await self._mover.store(keys, source, keep) if keys else 0
         if parent is not None and keys:
             self._index.attach(keys[0], parent)
         self._record_store(new_chunks, start)

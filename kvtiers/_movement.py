@@ -226,8 +226,10 @@ class Mover(Gatherer):
         await self._gather(keys[:num_chunks], None, done)
         return _leading(done)
 
-    async def store(self, keys: Sequence[ChunkKey], source: Source) -> int:
+    async def store(self, keys: Sequence[ChunkKey], source: Source, keep: int | None = None) -> int:
         """Place the chunks of `source` in the top tier and queue write-through copies.
+
+        New chunks from `keep` on go into the top memory tier cold (evicted first).
 
         Returns:
             Chunks that no tier held before; of those, only the ones now held when a copy
@@ -235,7 +237,7 @@ class Mover(Gatherer):
         """
         new = await self._new_chunks(keys)
         try:
-            await self._place_top(keys, source)
+            await self._place_top(keys, source, keep)
         except CallerCopyFailed:  # logged and counted; what was copied before it stays
             new = [i for i in new if self._index.tiers_of(keys[i])]
         await self._enqueue(
@@ -259,7 +261,9 @@ class Mover(Gatherer):
             unknown = [i for i in unknown if i not in elsewhere]
         return unknown
 
-    async def _place_top(self, keys: Sequence[ChunkKey], source: Source) -> None:
+    async def _place_top(
+        self, keys: Sequence[ChunkKey], source: Source, keep: int | None = None
+    ) -> None:
         """Write the chunks missing from the top tier (those it cannot take, below it)."""
         top = self._slots[0]
         need = [i for i, key in enumerate(keys) if not self._index.tiers_of(key) & 1]
@@ -272,7 +276,7 @@ class Mover(Gatherer):
                 await self._caller_copy(source.fill(placed, res.views), "out of")
             # NOTE: the chunks held already are touched too, or a prefix loaded (and
             # touched) before its new suffix was inserted would be older than that suffix.
-            self._record_inserts(top, keys, placed, touched=held)
+            self._record_inserts(top, keys, placed, touched=held, keep=keep)
         overflow = need[len(placed) :]
         if overflow:
             await self._put_overflow(keys, source, overflow)

@@ -14,7 +14,7 @@ from kvtiers._endpoints import PagedSink, PagedSource
 from kvtiers._keyed import Salt
 from kvtiers._movement import Mover
 from kvtiers._salts import SaltWitness
-from kvtiers._tensors import as_tokens
+from kvtiers._tensors import as_tokens, keep_hint
 from kvtiers.core.errors import InvalidInputError
 from kvtiers.core.keys import ChunkHasher
 from kvtiers.core.layout import KVLayout
@@ -45,7 +45,13 @@ class PagedAPI:
 
     @tracked
     async def store_paged(
-        self, tokens: Any, paged: PagedKV, block_table: Any, *, salt: Salt = None
+        self,
+        tokens: Any,
+        paged: PagedKV,
+        block_table: Any,
+        *,
+        salt: Salt = None,
+        keep_tokens: int | None = None,
     ) -> int:
         """Cache the full chunks of `tokens` straight from an engine's paged KV.
 
@@ -57,6 +63,7 @@ class PagedAPI:
             paged: the engine's KV (`PagedKV.vllm_flash`, `.sglang_mha`, `.mla`).
             block_table: the request's engine block ids in token order.
             salt: the tenant's namespace.
+            keep_tokens: the reuse hint, as `TieredCache.store` takes it.
 
         Returns:
             Tokens newly stored.
@@ -64,16 +71,17 @@ class PagedAPI:
         Raises:
             TokenError: bad token ids.
             LayoutMismatch: `paged` does not match the layout.
-            InvalidInputError: a bad block table; nothing is written.
+            InvalidInputError: a bad block table or hint; nothing is written.
         """
         start = time.perf_counter()
         _check_paged(paged, self.layout)
+        keep = keep_hint("keep_tokens", keep_tokens, self.layout.chunk_size)
         arr = as_tokens(tokens)
         keys = self._hasher.keys_of_array(arr, salt)
         self._salts.stored(arr, self._hasher.root(salt))
         engine = await self._copy_engine(paged.device)
         source = PagedSource(self.layout, engine, paged, block_table)
-        new_chunks = await self._mover.store(keys, source) if keys else 0
+        new_chunks = await self._mover.store(keys, source, keep) if keys else 0
         return self._record_store(new_chunks, start)
 
     @tracked

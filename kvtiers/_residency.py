@@ -32,7 +32,7 @@ from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.eviction.base import EvictionPolicy
+from kvtiers.eviction.hinted import HintedPolicy
 from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.pinned import pinned_allocator
 from kvtiers.tiers.base import Buffer, Tier
@@ -67,8 +67,9 @@ class Slot:
     """Position, top first; also the tier's bit in index masks."""
     tier: Tier
     config: TierConfig
-    policy: EvictionPolicy | None
-    """The cache's eviction policy for it; `None` when the tier evicts by itself."""
+    policy: HintedPolicy | None
+    """The cache's eviction policy for it, taking reuse hints; `None` when the tier evicts
+    by itself."""
     queue: asyncio.Queue[ChunkKey | None] | None = None
     """Write-through queue of chunk keys (`None` ends the writer)."""
     queued: set[ChunkKey] = field(default_factory=set)
@@ -211,24 +212,33 @@ class Residency:
         return await self._call(self._slots[0], op, copy(), False)
 
     def _record_inserts(
-        self, slot: Slot, keys: Sequence[ChunkKey], idxs: list[int], touched: Sequence[int] = ()
+        self,
+        slot: Slot,
+        keys: Sequence[ChunkKey],
+        idxs: list[int],
+        touched: Sequence[int] = (),
+        keep: int | None = None,
     ) -> None:
         """Index the chunks `idxs` of `keys` as held by `slot`, and tell its policy.
 
         `touched` are chunks of the same request the tier held already: they are touched in
         the same pass, deepest chunk first, so a prefix ends more recent than its suffix
-        even when the suffix is new (the leaf-first order eviction relies on).
+        even when the suffix is new (the leaf-first order eviction relies on). New chunks
+        from `keep` on are inserted cold (the caller expects no reuse of them).
         """
         for i in idxs:
             if self._index.add(keys, i, slot.idx):
                 self._stored(slot, keys[i])
         if slot.policy is not None:
             new = set(idxs)
+            keep = len(keys) if keep is None else keep
             for i in sorted(new.union(touched), reverse=True):
-                if i in new:
+                if i not in new:
+                    slot.policy.touch(keys[i])
+                elif i < keep:
                     slot.policy.insert(keys[i])
                 else:
-                    slot.policy.touch(keys[i])
+                    slot.policy.insert_cold(keys[i])
 
     async def _make_room(self, slot: Slot, count: int, protect: set[ChunkKey]) -> None:
         """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go)."""
@@ -245,7 +255,7 @@ class Residency:
         self,
         slot: Slot,
         tier: BlockTier[Any],
-        policy: EvictionPolicy,
+        policy: HintedPolicy,
         need: int,
         protect: set[ChunkKey],
     ) -> list[ChunkKey]:

@@ -8,7 +8,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtiers.core.errors import LayoutMismatch, TokenError
+from kvtiers.core.checks import describe, is_int
+from kvtiers.core.errors import InvalidInputError, LayoutMismatch, TokenError
 from kvtiers.core.keys import as_token_array
 from kvtiers.core.layout import KVLayout
 from kvtiers.gpu.paged import host_bytes
@@ -20,6 +21,7 @@ __all__ = [
     "check_kv",
     "check_out",
     "host_bytes",
+    "keep_hint",
     "torch_dtype",
 ]
 
@@ -157,3 +159,21 @@ def check_chunks(
         else:
             _check_memory(f"{what}[{i}]", chunk, writable=writable)
     return list(chunks)
+
+
+def keep_hint(name: str, value: object, chunk_size: int = 1) -> int | None:
+    """Return the whole chunks a reuse hint of `value` units covers (None: no hint).
+
+    Args:
+        name: the argument, for the message.
+        value: tokens (with the chunk size) or chunks (`chunk_size` 1) expected reused.
+        chunk_size: units per chunk.
+
+    Raises:
+        InvalidInputError: the hint is not a non-negative integer.
+    """
+    if value is None:
+        return None
+    if not is_int(value) or value < 0:
+        raise InvalidInputError(f"{name}: expected a non-negative integer, got {describe(value)}")
+    return value // chunk_size

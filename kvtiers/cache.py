@@ -25,7 +25,7 @@ from kvtiers._paged_api import PagedAPI
 from kvtiers._salts import SaltWitness
 from kvtiers._streaming import OnLayers, load_layerwise
 from kvtiers._tally import CallTally
-from kvtiers._tensors import as_tokens, check_kv, check_out, torch_dtype
+from kvtiers._tensors import as_tokens, check_kv, check_out, keep_hint, torch_dtype
 from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import CacheStateError, ConfigError
 from kvtiers.core.events import EventQueue
@@ -336,7 +336,9 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         return result
 
     @tracked
-    async def store(self, tokens: Any, kv: torch.Tensor, *, salt: Salt = None) -> int:
+    async def store(
+        self, tokens: Any, kv: torch.Tensor, *, salt: Salt = None, keep_tokens: int | None = None
+    ) -> int:
         """Cache the KV of the full chunks of `tokens`.
 
         The top tier holds the chunks when this returns; write-through tiers receive them in
@@ -347,6 +349,10 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
             tokens: token ids (list, NumPy array or torch tensor).
             kv: KV of every token, shaped as `load` returns it; any device, any strides.
             salt: the tenant's namespace.
+            keep_tokens: a reuse hint: only this many leading tokens are expected to be
+                asked for again (a conversation that goes on: all; one that ended: 0). The
+                new chunks past them go into the top memory tier cold, evicted before any
+                other until a hit. None: no hint.
 
         Returns:
             Tokens newly stored: full chunks that no tier held before.
@@ -354,14 +360,16 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
         Raises:
             TokenError: bad token ids.
             LayoutMismatch: `kv` does not match the layout or the number of tokens.
+            InvalidInputError: `keep_tokens` is not a non-negative integer.
         """
         start = time.perf_counter()
         arr = as_tokens(tokens)
         check_kv(self.layout, kv, len(arr))
+        keep = keep_hint("keep_tokens", keep_tokens, self.layout.chunk_size)
         keys = self._hasher.keys_of_array(arr, salt)
         self._salts.stored(arr, self._hasher.root(salt))
         source = TensorSource(self.layout, kv, self._copies)
-        new_chunks = await self._mover.store(keys, source) if keys else 0
+        new_chunks = await self._mover.store(keys, source, keep) if keys else 0
         return self._record_store(new_chunks, start)
 
     @tracked

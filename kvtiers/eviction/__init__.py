@@ -1,15 +1,20 @@
-"""Eviction policies: `LRUPolicy`, `ARCPolicy`, `TwoQPolicy`, and a registry by config name."""
+"""Eviction policies: `LRUPolicy`, `ARCPolicy`, `TwoQPolicy`, and a registry by config name.
+
+`HintedPolicy` wraps any of them to take the caller's reuse hints (chunks stored cold).
+"""
 
 from __future__ import annotations
 
 from kvtiers.eviction.arc import ARCPolicy
 from kvtiers.eviction.base import EvictionPolicy
+from kvtiers.eviction.hinted import HintedPolicy
 from kvtiers.eviction.lru import LRUPolicy
 from kvtiers.eviction.twoq import TwoQPolicy
 
 __all__ = [
     "ARCPolicy",
     "EvictionPolicy",
+    "HintedPolicy",
     "LRUPolicy",
     "TwoQPolicy",
     "available_policies",
