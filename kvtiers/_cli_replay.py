@@ -53,6 +53,7 @@ from kvtiers.replay import (
     read_trace,
     single_tier,
 )
+from kvtiers.replay.hints import HINTS, hints_for
 from kvtiers.replay.plot import plot_path
 
 __all__ = ["add_replay_commands", "write_plot"]
@@ -102,6 +103,13 @@ def _add_replay_parser(commands: Any) -> None:
         "config's chunk size, else 256)",
     )
     replay.add_argument("--limit", type=positive_int, metavar="N", help="replay N requests only")
+    replay.add_argument(
+        "--hints",
+        choices=HINTS,
+        help="also replay each run with reuse hints taken from the trace's future: 'turns' "
+        "keeps a prompt that a later request continues, 'future' the blocks a later request "
+        "shares; the others are stored cold (TieredCache.store's keep_tokens)",
+    )
     replay.add_argument(
         "--full",
         action="store_true",
@@ -185,14 +193,20 @@ def _run_replay(args: argparse.Namespace) -> int:
     cascades = _cascades(args, trace, config, block_bytes)
     costs = _costs(args, model, cascades[0]) if model is not None else None
     if args.full or args.block_bytes is not None:
+        if args.hints is not None:
+            raise ConfigError("--hints: only in the index-only mode (without --full)")
         # NOTE: imported here: that module imports this one.
         from kvtiers._cli_replay_full import run_full
 
         return run_full(args, trace, config, cascades, costs, block_bytes, plot=plot)
     capacities = {sum(t.capacity_blocks for t in tiers) for tiers in cascades}
-    total = trace.num_requests * (len(cascades) + len(capacities))
+    hints = hints_for(trace, args.hints) if args.hints is not None else None
+    runs = len(cascades) * (1 if hints is None else 2)
+    total = trace.num_requests * (runs + len(capacities))
     with _progress(total, enabled=not args.no_progress and sys.stderr.isatty()) as tick:
-        report = build_report(trace, cascades, block_bytes=block_bytes, costs=costs, progress=tick)
+        report = build_report(
+            trace, cascades, block_bytes=block_bytes, costs=costs, progress=tick, hints=hints
+        )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -4,12 +4,22 @@
 library's own index and policies without storing bytes (index-only mode); `optimum` runs
 Belady's offline rule as the ceiling; `build_report` does all of it for several policies and
 capacities, with TTFT from the cost model, and `format_report` / `ReplayReport.to_dict`
-print it. The package imports `core`, `eviction` and `costmodel`, never the tiers or torch.
+print it. `hints_for` and its kin derive reuse hints from a trace's future, to replay what
+an application's hints to `TieredCache.store` would buy. The package imports `core`,
+`eviction` and `costmodel`, never the tiers or torch.
 """
 
 from __future__ import annotations
 
 from kvtiers.replay.cascade import from_config, parse_capacity, parse_policies, single_tier
+from kvtiers.replay.hints import (
+    HINTS,
+    ReuseHints,
+    flip_hints,
+    future_hints,
+    hints_for,
+    turn_hints,
+)
 from kvtiers.replay.optimum import OptimumResult, ideal_hits, optimum
 from kvtiers.replay.report import REUSE_RULE, ReplayReport, build_report, format_report
 from kvtiers.replay.simulate import RunResult, TierResult, TierSpec, replay
@@ -23,11 +33,13 @@ from kvtiers.replay.trace import (
 from kvtiers.replay.ttft import CostSetup, TTFTSummary, summarize_ttft
 
 __all__ = [
+    "HINTS",
     "MOONCAKE_BLOCK_TOKENS",
     "REUSE_RULE",
     "CostSetup",
     "OptimumResult",
     "ReplayReport",
+    "ReuseHints",
     "RunResult",
     "TTFTSummary",
     "TierResult",
@@ -35,8 +47,11 @@ __all__ = [
     "Trace",
     "TraceError",
     "build_report",
+    "flip_hints",
     "format_report",
     "from_config",
+    "future_hints",
+    "hints_for",
     "ideal_hits",
     "optimum",
     "parse_capacity",
@@ -46,4 +61,5 @@ __all__ = [
     "replay",
     "single_tier",
     "summarize_ttft",
+    "turn_hints",
 ]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtiers.core.config import format_size
+from kvtiers.replay.hints import ReuseHints
 from kvtiers.replay.optimum import OptimumResult, ideal_hits, optimum
 from kvtiers.replay.simulate import RunResult, TierSpec, replay
 from kvtiers.replay.trace import Trace
@@ -46,6 +47,8 @@ class ReplayReport:
     """Per run (aligned with `runs`) when `costs` is set."""
     ttft_without: tuple[float, ...] = ()
     """Per request, TTFT without a cache, when `costs` is set."""
+    hints: str | None = None
+    """The source of the reuse hints of the `<policy>+<source>` runs, if any."""
 
     @property
     def ideal_hit_rate(self) -> float:
@@ -84,6 +87,7 @@ class ReplayReport:
             "total_blocks": trace.total_blocks,
             "unique_blocks": trace.unique_blocks,
             "ideal_hit_rate": self.ideal_hit_rate,
+            "hints": self.hints,
             "runs": [self._run_dict(i, run) for i, run in enumerate(self.runs)],
             "optimum": [
                 {"capacity_blocks": o.capacity_blocks, "hit_rate": o.hit_rate, "hits": o.hits}
@@ -152,6 +156,7 @@ def build_report(
     block_bytes: int | None = None,
     costs: CostSetup | None = None,
     progress: Callable[[int], None] | None = None,
+    hints: ReuseHints | None = None,
 ) -> ReplayReport:
     """Replay `trace` through each cascade and Belady at each distinct total capacity.
 
@@ -161,8 +166,15 @@ def build_report(
         block_bytes: bytes per block, to report bytes read.
         costs: the cost model, to report TTFT and prefill throughput.
         progress: called with request counts as the replays advance.
+        hints: reuse hints; each cascade is then replayed again with them, right after
+            its plain run, as policy `<policy>+<source>`.
     """
-    runs = tuple(replay(trace, tiers, progress=progress) for tiers in cascades)
+    runs: list[RunResult] = []
+    for tiers in cascades:
+        runs.append(replay(trace, tiers, progress=progress))
+        if hints is not None:
+            hinted = replay(trace, tiers, progress=progress, hints=hints.blocks)
+            runs.append(replace(hinted, policy=f"{hinted.policy}+{hints.source}"))
     capacities = sorted({run.capacity_blocks for run in runs})
     best = tuple(optimum(trace, c, progress=progress) for c in capacities)
     ttft: tuple[TTFTSummary, ...] = ()
@@ -170,7 +182,10 @@ def build_report(
     if costs is not None:
         ttft = tuple(summarize_ttft(trace, run, costs) for run in runs)
         without = _ttft_without(trace, costs)
-    return ReplayReport(trace, ideal_hits(trace), runs, best, block_bytes, costs, ttft, without)
+    source = None if hints is None else hints.source
+    return ReplayReport(
+        trace, ideal_hits(trace), tuple(runs), best, block_bytes, costs, ttft, without, source
+    )
 
 
 def format_report(report: ReplayReport) -> str:
@@ -193,7 +208,18 @@ def format_report(report: ReplayReport) -> str:
         "hit rate: share of requested blocks served from cache; gap closed: share of the way",
         "from LRU to the optimum (Belady, farthest next use) at the same capacity.",
     ]
+    if report.hints is not None:
+        lines += [
+            f"+{report.hints}: the policy given reuse hints taken from the trace's future",
+            f"({_HINTS[report.hints]}); the other blocks are stored cold.",
+        ]
     return "\n".join(lines)
+
+
+_HINTS = {
+    "turns": "a prompt that a later request continues is kept",
+    "future": "the blocks that a later request shares are kept",
+}
 
 
 def _capacity_table(report: ReplayReport, capacity: int) -> list[str]:

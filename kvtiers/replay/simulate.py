@@ -15,6 +15,11 @@ Each request, in file order, one at a time:
    head the most recent, the leaf-first order a trie gives.
 3. Evict, top tier first, down to each tier's capacity. A write-back tier receives what the
    tier above evicts; a block served from it is touched.
+
+With reuse hints (`kvtiers.replay.hints`: per request, the leading blocks the caller expects
+to be requested again), each tier's policy is wrapped in `HintedPolicy`, and the blocks of a
+request past its hint are inserted cold (evicted first until a hit), as `TieredCache.store`
+does with `keep_tokens`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import cast
 from kvtiers.core.config import WritePolicy
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
-from kvtiers.eviction import EvictionPolicy, make_policy
+from kvtiers.eviction import EvictionPolicy, HintedPolicy, make_policy
 from kvtiers.replay.trace import Trace
 
 __all__ = ["RunResult", "TierResult", "TierSpec", "replay"]
@@ -103,10 +108,12 @@ class _Tier:
 
     __slots__ = ("below", "evictions", "idx", "inserts", "policy", "resident", "spec")
 
-    def __init__(self, idx: int, spec: TierSpec) -> None:
+    def __init__(self, idx: int, spec: TierSpec, hinted: bool) -> None:
         self.idx = idx
         self.spec = spec
         self.policy: EvictionPolicy = make_policy(spec.policy, spec.capacity_blocks)
+        if hinted:
+            self.policy = HintedPolicy(self.policy)
         self.resident = 0
         self.inserts = 0
         self.evictions = 0
@@ -118,6 +125,7 @@ def replay(
     tiers: Sequence[TierSpec],
     *,
     progress: Callable[[int], None] | None = None,
+    hints: Sequence[int] | None = None,
 ) -> RunResult:
     """Replay `trace` through a cascade of `tiers`, counting hits per tier.
 
@@ -125,16 +133,21 @@ def replay(
         trace: the requests, replayed in order.
         tiers: the cascade, top first; at least one.
         progress: called with the number of requests replayed since the last call.
+        hints: per request, how many leading blocks the caller expects to be requested
+            again (`kvtiers.replay.hints`); the others are stored cold. None: no hints.
 
     Returns:
         Hits, inserts and evictions per tier, and each request's hits per tier.
 
     Raises:
-        ValueError: no tier, or a tier names an unknown policy.
+        ValueError: no tier, a tier names an unknown policy, or `hints` does not have
+            one entry per request.
     """
     if not tiers:
         raise ValueError("replay needs at least one tier")
-    live = [_Tier(i, spec) for i, spec in enumerate(tiers)]
+    if hints is not None and len(hints) != trace.num_requests:
+        raise ValueError(f"{len(hints)} hints for {trace.num_requests} requests")
+    live = [_Tier(i, spec, hints is not None) for i, spec in enumerate(tiers)]
     for upper, lower in zip(live, live[1:], strict=False):
         if lower.spec.write_policy == "write_back":
             upper.below = lower
@@ -149,8 +162,9 @@ def replay(
         served = [(mask & -mask).bit_length() - 1 for mask in index.match(keys).tiers]
         for t in served:
             request_hits[t][r] += 1
+        keep = len(keys) if hints is None else hints[r]
         for tier in (live[0], *through):
-            _offer(index, tier, keys)
+            _offer(index, tier, keys, keep)
         for i, t in enumerate(served):
             if t and live[t].spec.write_policy == "write_back":
                 live[t].policy.touch(keys[i])
@@ -169,13 +183,19 @@ def replay(
     return RunResult(live[0].spec.policy, results, trace.total_blocks, request_hits)
 
 
-def _offer(index: PrefixIndex, tier: _Tier, keys: list[ChunkKey]) -> None:
-    """Touch the resident blocks of a request in `tier`, insert the rest; last block first."""
+def _offer(index: PrefixIndex, tier: _Tier, keys: list[ChunkKey], keep: int) -> None:
+    """Touch the resident blocks of a request in `tier`, insert the rest; last block first.
+
+    Blocks from `keep` on are inserted cold (the tier's policy is then a `HintedPolicy`).
+    """
     policy, idx = tier.policy, tier.idx
     added = 0
     for i in range(len(keys) - 1, -1, -1):
         if index.add(keys, i, idx):
-            policy.insert(keys[i])
+            if i < keep:
+                policy.insert(keys[i])
+            else:
+                cast(HintedPolicy, policy).insert_cold(keys[i])
             added += 1
         else:
             policy.touch(keys[i])

@@ -8,6 +8,7 @@ import pytest
 
 from kvtiers.cli import main
 from kvtiers.replay import TierSpec, optimum, read_trace, replay
+from kvtiers.replay.hints import turn_hints
 from tests._cli_errors import one_line_error
 from tests.replay._factories import CONVERSATION, SYNTHETIC, mooncake, write_lines
 
@@ -45,6 +46,23 @@ def test_replay_prints_tables(capsys):
     assert "\narc " in out
     assert "\noptimum " in out
     assert "2q" not in out
+
+
+def test_replay_with_hints_adds_a_hinted_run_beside_each_policy(capsys):
+    argv = [str(CONVERSATION), "--limit", LIMIT, "--capacity", "5%", "--policy", "lru,2q"]
+    data = run_json(capsys, *argv, "--hints", "turns")
+    trace = read_trace(CONVERSATION, limit=int(LIMIT))
+    assert data["hints"] == "turns"
+    assert [r["policy"] for r in data["runs"]] == ["lru", "lru+turns", "2q", "2q+turns"]
+    capacity = data["runs"][1]["capacity_blocks"]
+    hinted = replay(trace, [TierSpec("dram", capacity, "lru")], hints=turn_hints(trace))
+    assert data["runs"][1]["hit_rate"] == hinted.hit_rate > data["runs"][0]["hit_rate"]
+    assert main(["replay", *argv, "--hints", "future", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "\nlru+future " in out and "+future: the policy given reuse hints" in out
+    assert main(["replay", *argv, "--hints", "future", "--full", "--no-progress"]) == 2
+    assert "--hints: only in the index-only mode" in capsys.readouterr().err
+    assert run_json(capsys, *argv)["hints"] is None
 
 
 def test_replay_with_a_model_reports_ttft(capsys):
