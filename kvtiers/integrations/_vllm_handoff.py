@@ -7,6 +7,9 @@ its prompt tokens it holds in kvtiers:
 
     kv_transfer_params = {"kvtiers": {"stored_tokens": N}}
 
+The same entry carries a request's reuse hint, `{"kvtiers": {"keep_tokens": N}}`: only the
+first N tokens are expected to be asked for again (`TieredCache.store`'s `keep_tokens`).
+
 A proxy passes these on with the request it sends to the decode instance, as vLLM's
 disaggregated-serving proxies pass `kv_transfer_params`. The producer's saves reach the
 shared tiers in the background, so the decode instance's first lookup can come before
@@ -29,7 +32,16 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.integrations._vllm_plan import ConnectorSettings
 from kvtiers.integrations._vllm_tracked import Tracked
 
-__all__ = ["PARAMS_KEY", "HandoffWaits", "Role", "announce", "announced_tokens"]
+__all__ = [
+    "PARAMS_KEY",
+    "HandoffWaits",
+    "RequestParams",
+    "Role",
+    "announce",
+    "announced_tokens",
+    "params_of",
+    "request_params",
+]
 
 logger = logging.getLogger("kvtiers.vllm")
 
@@ -66,24 +78,70 @@ def announce(stored_tokens: int) -> dict[str, Any]:
     return {PARAMS_KEY: {"stored_tokens": stored_tokens}}
 
 
+@dataclass(frozen=True, slots=True)
+class RequestParams:
+    """What kvtiers' entry in a request's `kv_transfer_params` says."""
+
+    stored_tokens: int | None = None
+    """Prompt tokens a producer announced it holds (hand-off)."""
+    keep_tokens: int | None = None
+    """The reuse hint: leading tokens expected to be asked for again; None: no hint."""
+
+
+_PARAMS = tuple(RequestParams.__dataclass_fields__)
+
+
+def request_params(params: Any) -> RequestParams:
+    """Read kvtiers' entry of a request's `kv_transfer_params`.
+
+    Empty when `params` holds no kvtiers entry (another connector's, or none).
+
+    Raises:
+        ValueError: the kvtiers entry is malformed (not a table of `stored_tokens` and or
+            `keep_tokens`, each an integer >= 0).
+    """
+    if not isinstance(params, Mapping) or PARAMS_KEY not in params:
+        return RequestParams()
+    entry = params[PARAMS_KEY]
+    if (
+        not isinstance(entry, Mapping)
+        or not entry
+        or not set(entry) <= set(_PARAMS)
+        or not all(is_int(v) and v >= 0 for v in entry.values())
+    ):
+        raise ValueError(
+            f"kv_transfer_params[{PARAMS_KEY!r}]: expected {{'stored_tokens': <int >= 0>}} "
+            f"and/or {{'keep_tokens': <int >= 0>}}, got {entry!r:.200}"
+        )
+    return RequestParams(**{name: int(value) for name, value in entry.items()})
+
+
+def params_of(request: Any, count: Callable[[str, int], None], eligible: bool) -> RequestParams:
+    """Return what `request`'s `kv_transfer_params` tell kvtiers.
+
+    Nothing for a request kvtiers does not serve (not `eligible`); a malformed entry is
+    logged, counted (`handoff_bad_params`) and read as nothing.
+    """
+    if not eligible:
+        return RequestParams()
+    try:
+        return request_params(getattr(request, "kv_transfer_params", None))
+    except ValueError as exc:
+        logger.warning("kvtiers: %s; ignored", exc)
+        count("handoff_bad_params", 1)
+        return RequestParams()
+
+
 def announced_tokens(params: Any) -> int | None:
     """Return the prompt tokens a producer announced in a request's `kv_transfer_params`.
 
-    `None` when `params` holds no kvtiers entry (another connector's, or none).
+    `None` when `params` announces none (another connector's, no kvtiers entry, or one
+    with a hint only).
 
     Raises:
         ValueError: the kvtiers entry is malformed.
     """
-    if not isinstance(params, Mapping) or PARAMS_KEY not in params:
-        return None
-    entry = params[PARAMS_KEY]
-    value = entry.get("stored_tokens") if isinstance(entry, Mapping) else None
-    if not is_int(value) or value < 0:
-        raise ValueError(
-            f"kv_transfer_params[{PARAMS_KEY!r}]: expected {{'stored_tokens': <int >= 0>}}, "
-            f"got {entry!r:.200}"
-        )
-    return int(value)
+    return request_params(params).stored_tokens
 
 
 class HandoffWaits:

@@ -289,6 +289,8 @@ class LoadSpec:
     """One past the last token to load; a multiple of the block size."""
     origin: BlockOrigin | None = None
     """vLLM's names of the blocks of `tokens` (KV events on), else `None`."""
+    keep_tokens: int | None = None
+    """The request's reuse hint (`TieredCache.store`), if it gave one."""
     state_blocks: tuple[int, ...] = ()
     """A state-space model's state blocks at token `end`, one per Mamba group (in group
     order), into which the state kept there is loaded; empty for other models."""
@@ -324,6 +326,8 @@ class SaveSpec:
     """The request has finished and its blocks wait for this save (reported via get_finished)."""
     origin: BlockOrigin | None = None
     """vLLM's names of the blocks of `tokens` (KV events on), else `None`."""
+    keep_tokens: int | None = None
+    """The request's reuse hint (`TieredCache.store`), if it gave one."""
 
 
 @dataclass(slots=True)

@@ -16,7 +16,6 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -25,7 +24,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._staging import StagingTensors
 from kvtiers.integrations._vllm_loads import LayerSet
-from kvtiers.integrations._vllm_plan import Salt, SaveSpec, StepPlan, tokens_of
+from kvtiers.integrations._vllm_plan import SaveSpec, StepPlan, tokens_of
 
 __all__ = ["Save", "SaveSide", "store_from"]
 
@@ -44,10 +43,8 @@ class Save:
     layers_done: set[int] = field(default_factory=set)
 
 
-async def store_from(
-    cache: TieredCache, tokens: Any, salt: Salt, first: int, staging: torch.Tensor
-) -> int:
-    """Store the chunks of `tokens` from chunk `first` on; `staging` holds their KV.
+async def store_from(cache: TieredCache, spec: SaveSpec, first: int, staging: torch.Tensor) -> int:
+    """Store the chunks of `spec` from chunk `first` on; `staging` holds their KV.
 
     The chunks before `first` only key the stored ones (an earlier step saved them).
 
@@ -55,12 +52,14 @@ async def store_from(
         Tokens stored: from the first chunk, those newly stored; from a later one, those
         a tier holds after the call.
     """
+    tokens, salt, keep = tokens_of(spec.tokens), spec.salt, spec.keep_tokens
     if first == 0:
-        return await cache.store(tokens, staging, salt=salt)
+        return await cache.store(tokens, staging, salt=salt, keep_tokens=keep)
     size = cache.layout.chunk_size
     keys = cache.keys(tokens, salt=salt)
     srcs = [staging.narrow(2, i * size, size) for i in range(len(keys) - first)]
-    held = await cache.put_chunks(keys[first:], srcs, parent=keys[first - 1])
+    kept = None if keep is None else max(0, keep // size - first)
+    held = await cache.put_chunks(keys[first:], srcs, parent=keys[first - 1], keep_chunks=kept)
     return sum(held) * size
 
 
@@ -141,9 +140,7 @@ class SaveSide:
             return
         spec = job.spec
         first = spec.start // self._layout.chunk_size
-        future = self._entry.loop.submit(
-            store_from(self._entry.cache, tokens_of(spec.tokens), spec.salt, first, job.staging)
-        )
+        future = self._entry.loop.submit(store_from(self._entry.cache, spec, first, job.staging))
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(functools.partial(self._stored, job.staging))

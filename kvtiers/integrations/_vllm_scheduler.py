@@ -19,7 +19,7 @@ from kvtiers.core.index import LookupResult
 from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._vllm_counts import COUNTERS
 from kvtiers.integrations._vllm_events import block_origin
-from kvtiers.integrations._vllm_handoff import HandoffWaits, Role, announce, announced_tokens
+from kvtiers.integrations._vllm_handoff import HandoffWaits, Role, announce, params_of
 from kvtiers.integrations._vllm_plan import (
     BlockOrigin,
     ConnectorSettings,
@@ -102,19 +102,10 @@ class SchedulerSide:
         if tracked is None:
             eligible = keyable(request) and (self._multimodal or not has_items(request))
             tracked = Tracked(request=request, salt=salt_of(request), eligible=eligible)
-            tracked.awaited = self._announced(request) if eligible else 0
+            params = params_of(request, self._count, eligible)
+            tracked.awaited, tracked.keep = params.stored_tokens or 0, params.keep_tokens
             self._reqs[request.request_id] = tracked
         return tracked
-
-    def _announced(self, request: Any) -> int:
-        """Return the prompt tokens a producer announced for `request` (0 if none)."""
-        try:
-            tokens = announced_tokens(getattr(request, "kv_transfer_params", None))
-        except ValueError as exc:
-            logger.warning("kvtiers: %s; not waiting for a producer's KV", exc)
-            self._count("handoff_bad_params")
-            return 0
-        return tokens or 0
 
     def on_new_request(self, request: Any) -> None:
         """Start tracking `request`."""
@@ -302,6 +293,7 @@ class SchedulerSide:
                     block_ids=_cut(block_ids, start // self._block, end // self._block),
                     start=start,
                     origin=self._origin(request, end),
+                    keep_tokens=tracked.keep,
                 )
             )
             tracked.cached = end
@@ -359,6 +351,7 @@ class SchedulerSide:
                 start=start,
                 finished=True,
                 origin=self._origin(request, target),
+                keep_tokens=tracked.keep,
             )
         )
         self._count("planned_save_tokens", target - start)

@@ -73,6 +73,8 @@ class Tracked:
     state_at: int = 0
     """A state-space model's tokens at whose end kvtiers holds the request's state (loaded
     there, or saved), 0 if none."""
+    keep: int | None = None
+    """The request's reuse hint (`keep_tokens` in its `kv_transfer_params`), if any."""
 
     def keyed(self, limit: int) -> npt.NDArray[np.int64]:
         """Return the ids that key the request's first `limit` tokens.

@@ -143,6 +143,16 @@ def test_a_chat_next_turn_loads_the_last_answer_too(vllm_python, tiny_llama, tmp
     assert tokens(again) == tokens(reset["before"])
 
 
+def test_a_requests_reuse_hint_stores_the_chunks_past_it_cold(vllm_python, tiny_llama, tmp_path):
+    """`kv_transfer_params = {"kvtiers": {"keep_tokens": N}}` reaches the cache's store: the
+    whole chunks past N wait first in line for eviction in DRAM; a malformed entry is
+    counted and read as no hint; the answers are those of a run without kvtiers."""
+    run = result_of(start(vllm_python, tiny_llama, tmp_path, "hints"))
+    assert run["cold"] == [[False] * 5, [True] * 5, [False] * 2 + [True] * 3, [False] * 5]
+    assert run["stats"].get("handoff_bad_params") == 1
+    assert tokens(run["answers"]) == tokens(run["baseline"])
+
+
 def test_kv_replaced_by_other_values_changes_the_output(inprocess):
     result, _ = inprocess
     assert result["other_values_stored"] > 0

@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 
 from kvtiers import ConfigError
-from kvtiers.integrations._vllm_handoff import Role, announce, announced_tokens
+from kvtiers.integrations._vllm_handoff import (
+    RequestParams,
+    Role,
+    announce,
+    announced_tokens,
+    request_params,
+)
 from kvtiers.integrations._vllm_plan import ConnectorSettings, tokens_of
 from tests.integrations.test_vllm_scheduler import Clock, FakeLookup, request, side
 
@@ -47,6 +53,40 @@ def test_announced_tokens_are_read_from_kv_transfer_params(params, expected):
 def test_a_malformed_announcement_is_a_value_error(entry):
     with pytest.raises(ValueError, match="stored_tokens"):
         announced_tokens({"kvtiers": entry})
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (None, RequestParams()),
+        ({"kvtiers": {"keep_tokens": 0}}, RequestParams(keep_tokens=0)),
+        ({"kvtiers": {"stored_tokens": 64, "keep_tokens": 128}}, RequestParams(64, 128)),
+    ],
+)
+def test_a_reuse_hint_rides_in_the_same_entry(params, expected):
+    assert request_params(params) == expected
+    assert announced_tokens(params) == expected.stored_tokens
+
+
+@pytest.mark.parametrize("entry", [{"keep_tokens": -1}, {"keep_tokens": 1.5}, {"keep": 0}])
+def test_a_malformed_hint_is_a_value_error(entry):
+    with pytest.raises(ValueError, match="'keep_tokens': <int >= 0>"):
+        request_params({"kvtiers": entry})
+
+
+def test_a_requests_hint_goes_with_each_of_its_saves_and_a_bad_one_is_counted():
+    s = side(FakeLookup(hit=0), store_generated=True)
+    hinted = request("r1", num_tokens=300, kv_transfer_params={"kvtiers": {"keep_tokens": 70}})
+    bad = request("r2", num_tokens=300, kv_transfer_params={"kvtiers": {"keep_tokens": "x"}})
+    for r in (hinted, bad):
+        s.on_new_request(r)
+    saves = s.build_plan({"r1": 200, "r2": 200}, lambda _: (list(range(19)),)).saves
+    assert [(x.req_id, x.keep_tokens) for x in saves] == [("r1", 70), ("r2", None)]
+    hinted.num_computed_tokens = 299
+    assert s.request_finished(hinted, (list(range(19)),)) == (True, None)
+    (final,) = s.build_plan({}, lambda _: None).saves
+    assert final.finished and final.keep_tokens == 70
+    assert s.take_counts()["handoff_bad_params"] == 1
 
 
 def test_a_consumer_waits_for_announced_kv_then_loads_it():

@@ -520,3 +520,26 @@ def test_hybrid_layers_move_through_their_group_blocks_and_loads_are_asynchronou
     assert loading.take_failed_blocks() == set()  # vLLM takes failed requests, not blocks
     registry.release(saving._entry)
     registry.release(loading._entry)
+
+
+def test_saves_carry_the_requests_reuse_hint_into_the_cache(registry):
+    """The chunks past `keep_tokens` are stored cold, whether a save starts at the first
+    chunk (`store`) or at a later one (`put_chunks` under its parent)."""
+    layers = paged_layers(seed=3)
+    w = worker(registry, layers)
+    first = SaveSpec("r", tokens_to_bytes(TOKENS[:16]), None, ((0, 1),), keep_tokens=20)
+    rest = SaveSpec("r", tokens_to_bytes(TOKENS), None, ((2, 3, 4, 5),), start=16, keep_tokens=20)
+    other = list(range(900, 948))
+    plain = SaveSpec("o", tokens_to_bytes(other), None, ((6, 7, 8, 9, 10, 11),), keep_tokens=0)
+    for plan in (StepPlan(saves=[first]), StepPlan(saves=[rest, plain])):
+        w.begin_saves(plan)
+        for name in NAMES:
+            w.save_layer(name, layers[name])
+        w.finish_step()
+        assert w.flush(10)
+    cache = w._entry.cache
+    policy = cache._mover._slots[0].policy
+    cold = set(list(policy.candidates())[: policy.num_cold])
+    assert [key in cold for key in cache.keys(TOKENS)] == [False, True, True]
+    assert [key in cold for key in cache.keys(other)] == [True] * 3
+    registry.release(w._entry)

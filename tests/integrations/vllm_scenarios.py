@@ -862,6 +862,7 @@ def main() -> None:
             "mamba-pool-mp",
             "mamba-pool-tp2",
             "turns",
+            "hints",
         ],
     )
     parser.add_argument("--model", required=True)
@@ -947,6 +948,10 @@ def main() -> None:
         from vllm_turns_scenario import scenario_turns
 
         result = scenario_turns(args.model, args.work)
+    elif args.scenario == "hints":
+        from vllm_turns_scenario import scenario_hints
+
+        result = scenario_hints(args.model, args.work)
     elif args.scenario == "handoff-tp2":
         from vllm_handoff_scenario import scenario_handoff_tp2
 

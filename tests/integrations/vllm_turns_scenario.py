@@ -10,6 +10,10 @@ new text, so it loads past the first prompt:
   alone hold three; then one short prompt, whose first step runs the saves of the three;
 - a baseline engine without kvtiers answers the next turns (prompt, answer, 20 new tokens);
 - engine B (a fresh DRAM over the same LMDB) answers them from the pool.
+
+The `hints` scenario: requests carry a reuse hint in `kv_transfer_params`
+(`{"kvtiers": {"keep_tokens": N}}`: a conversation that ended keeps nothing, a document
+question its document), and the chunks past it are stored cold in the DRAM tier.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from vllm_scenarios import Engine, tier_hits, tiers
+from vllm_scenarios import CHUNK, Engine, tier_hits, tiers
 
 ANSWER_TOKENS = 72
 
@@ -86,5 +90,27 @@ def _reset_with_saves_planned(
     # without AMX, the first prompt's 62nd answer token has two candidates 0.004 apart in
     # log-probability in the batch, and tied alone, so greedy decoding picks another token.
     result["again"] = engine.generate(prompts)
+    engine.close()
+    return result
+
+
+def scenario_hints(model: str, work: Path) -> dict[str, Any]:
+    """Four prompts of five chunks: no hint, `keep_tokens` 0, `keep_tokens` of two chunks and
+    a half, and a malformed entry (ignored, counted); which chunks does DRAM hold cold?"""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(5 * CHUNK + 7)] for _ in range(4)]
+    params = [None, {"kvtiers": {"keep_tokens": 0}}]
+    params += [{"kvtiers": {"keep_tokens": 5 * CHUNK // 2}}, {"kvtiers": {"keep": 0}}]
+    base = Engine(model, None, prefix_caching=False)
+    result: dict[str, Any] = {"baseline": base.generate(prompts)}
+    base.close()
+    engine = Engine(model, tiers(work, None), prefix_caching=False)
+    result["answers"] = engine.generate(prompts, kv_transfer_params=params)
+    engine.settle()
+    result["stats"] = dict(engine.reported)
+    cache = engine.connector._worker._entry.cache
+    policy = cache._mover._slots[0].policy
+    cold = set(list(policy.candidates())[: policy.num_cold])
+    result["cold"] = [[key in cold for key in cache.keys(p)] for p in prompts]
     engine.close()
     return result
