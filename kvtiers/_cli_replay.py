@@ -108,7 +108,8 @@ def _add_replay_parser(commands: Any) -> None:
         choices=HINTS,
         help="also replay each run with reuse hints taken from the trace's future: 'turns' "
         "keeps a prompt that a later request continues, 'future' the blocks a later request "
-        "shares; the others are stored cold (TieredCache.store's keep_tokens)",
+        "shares; the others are stored cold (TieredCache.store's keep_tokens; with --full, "
+        "put_chunks' keep_chunks)",
     )
     replay.add_argument(
         "--full",
@@ -193,8 +194,6 @@ def _run_replay(args: argparse.Namespace) -> int:
     cascades = _cascades(args, trace, config, block_bytes)
     costs = _costs(args, model, cascades[0]) if model is not None else None
     if args.full or args.block_bytes is not None:
-        if args.hints is not None:
-            raise ConfigError("--hints: only in the index-only mode (without --full)")
         # NOTE: imported here: that module imports this one.
         from kvtiers._cli_replay_full import run_full
 

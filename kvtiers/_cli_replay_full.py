@@ -26,10 +26,12 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.replay import (
     CostSetup,
     ReplayReport,
+    ReuseHints,
     TierSpec,
     Trace,
     build_report,
     format_report,
+    hints_for,
     summarize_ttft,
 )
 from kvtiers.replay.report import format_seconds, format_table
@@ -73,10 +75,14 @@ def run_full(
     layout = _stored_layout(args.block_bytes, trace, config)
     _check_memory(layout, trace, cascades)
     capacities = {sum(t.capacity_blocks for t in tiers) for tiers in cascades}
-    total = trace.num_requests * (2 * len(cascades) + len(capacities))
+    hints = hints_for(trace, args.hints) if args.hints is not None else None
+    runs_each = 2 if hints is None else 4  # full and index-only, each also hinted
+    total = trace.num_requests * (runs_each * len(cascades) + len(capacities))
     with _progress(total, enabled=not args.no_progress and sys.stderr.isatty()) as tick:
-        runs = _replay_all(trace, cascades, layout, config, tick)
-        index = build_report(trace, cascades, block_bytes=block_bytes, costs=costs, progress=tick)
+        runs = _replay_all(trace, cascades, layout, config, tick, hints)
+        index = build_report(
+            trace, cascades, block_bytes=block_bytes, costs=costs, progress=tick, hints=hints
+        )
     report = dataclasses.replace(
         index,
         runs=tuple(f.run for f in runs),
@@ -150,15 +156,23 @@ def _replay_all(
     layout: KVLayout,
     config: CacheConfig | None,
     tick: Callable[[int], None] | None,
+    hints: ReuseHints | None = None,
 ) -> list[FullRun]:
     """Replay each cascade in a fresh cache (and temporary directory), one after another.
+
+    With `hints`, each cascade is replayed again with them, right after its plain run.
 
     Raises:
         ConfigError: a buffer cannot be allocated (past what `_check_memory` foresaw).
     """
+    every = [None] if hints is None else [None, hints]
 
     async def run_all() -> list[FullRun]:
-        return [await replay_full(trace, t, layout, base=config, progress=tick) for t in cascades]
+        return [
+            await replay_full(trace, t, layout, base=config, progress=tick, hints=h)
+            for t in cascades
+            for h in every
+        ]
 
     try:
         return asyncio.run(run_all())

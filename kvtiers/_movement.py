@@ -232,14 +232,15 @@ class Mover(Gatherer):
         New chunks from `keep` on go into the top memory tier cold (evicted first).
 
         Returns:
-            Chunks that no tier held before; of those, only the ones now held when a copy
-            out of `source` failed (the store then ends with what was copied before it).
+            Chunks that no tier held before and one holds now. A copy out of `source`
+            that failed ends the store with what was copied before it; a chunk no tier
+            took (cold without room, every tier full of pinned chunks) is not counted.
         """
         new = await self._new_chunks(keys)
-        try:
+        # NOTE: a failed copy is logged and counted; what was copied before it stays.
+        with contextlib.suppress(CallerCopyFailed):
             await self._place_top(keys, source, keep)
-        except CallerCopyFailed:  # logged and counted; what was copied before it stays
-            new = [i for i in new if self._index.tiers_of(keys[i])]
+        new = [i for i in new if self._index.tiers_of(keys[i])]
         await self._enqueue(
             keys, [i for i, key in enumerate(keys) if self._index.tiers_of(key) & 1]
         )
@@ -270,7 +271,12 @@ class Mover(Gatherer):
         placed: list[int] = []
         if self._memtop is not None and need:
             held = sorted(set(range(len(keys))).difference(need))
-            await self._make_room(top, len(need), protect=set(keys))
+            # NOTE: cold chunks (past `keep`) get room only from other cold chunks; those
+            # that find none go to the tiers below (see `HintedPolicy`).
+            kept = len(need) if keep is None else sum(1 for i in need if i < keep)
+            await self._make_room(top, kept, protect=set(keys))
+            if kept < len(need):
+                await self._make_room(top, len(need), protect=set(keys), cold_only=True)
             async with self._memtop.reserve([keys[i] for i in need]) as res:
                 placed = need[: len(res.views)]
                 await self._caller_copy(source.fill(placed, res.views), "out of")

@@ -7,7 +7,8 @@ and for each request, in file order, one at a time, does what an engine does:
 1. `lookup_keys`, then `get_chunks` of the hit prefix (timed together). Every block read is
    compared with the bytes it was stored with: a block's payload is a function of its key,
    so a wrong block, or a right block with bytes out of place, is a verification failure.
-2. `put_chunks` of every block of the request (timed).
+2. `put_chunks` of every block of the request (timed), with the request's reuse hint
+   (`keep_chunks`) when the replay has hints.
 3. `flush` (timed), so that write-through copies, and the evictions they cause, are done
    before the next request: the run is deterministic.
 
@@ -41,7 +42,15 @@ from kvtiers.core.errors import ConfigError
 from kvtiers.core.keys import KEY_BYTES, ChunkKey
 from kvtiers.core.layout import KVLayout
 from kvtiers.core.stats import TierStats
-from kvtiers.replay import RunResult, TierResult, TierSpec, Trace, TraceError, read_prompts
+from kvtiers.replay import (
+    ReuseHints,
+    RunResult,
+    TierResult,
+    TierSpec,
+    Trace,
+    TraceError,
+    read_prompts,
+)
 from kvtiers.tiers import _chunk_format as fmt
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "FullRun", "replay_full", "replay_layout", "sandbox_config"]
@@ -173,6 +182,7 @@ async def replay_full(
     *,
     base: CacheConfig | None = None,
     progress: Callable[[int], None] | None = None,
+    hints: ReuseHints | None = None,
 ) -> FullRun:
     """Replay `trace` through a fresh `TieredCache` of `tiers`, storing blocks of `layout`.
 
@@ -182,6 +192,8 @@ async def replay_full(
         layout: the layout of the stored blocks (`replay_layout`).
         base: the config the cascade came from, for its tiers' options.
         progress: called with the number of requests replayed since the last call.
+        hints: reuse hints, passed with each request's store; the run is then reported
+            as policy `<policy>+<source>`.
 
     Raises:
         ConfigError: the layout's chunk size is not the trace's block size, or a tier kind
@@ -197,11 +209,11 @@ async def replay_full(
     with tempfile.TemporaryDirectory(prefix="kvtiers-replay-") as tmp:
         config = sandbox_config(tiers, layout, Path(tmp), base)
         async with TieredCache(config) as cache:
-            state = _Replay(trace, cache)
+            state = _Replay(trace, cache, None if hints is None else hints.blocks)
             await state.run(progress)
             stats = cache.stats()
     run = RunResult(
-        tiers[0].policy,
+        tiers[0].policy if hints is None else f"{tiers[0].policy}+{hints.source}",
         tuple(
             TierResult(spec, sum(hits), s.puts, s.evictions)
             for spec, hits, s in zip(tiers, state.hits, stats.tiers, strict=True)
@@ -225,9 +237,10 @@ async def replay_full(
 class _Replay:
     """One full replay's loop and what it measures."""
 
-    def __init__(self, trace: Trace, cache: TieredCache) -> None:
+    def __init__(self, trace: Trace, cache: TieredCache, hints: Sequence[int] | None) -> None:
         self.trace = trace
         self.cache = cache
+        self.hints = hints
         self.hits = tuple(array("I", bytes(4 * trace.num_requests)) for _ in cache.tiers)
         self.lookup_load_s: array[float] = array("d")
         self.store_s: array[float] = array("d")
@@ -259,7 +272,8 @@ class _Replay:
         dsts.fill(0)
         found = await cache.get_chunks(keys[:num_hit], list(dsts)) if num_hit else []
         loaded = time.perf_counter()
-        await cache.put_chunks(keys, list(payloads))
+        keep = None if self.hints is None else self.hints[r]
+        await cache.put_chunks(keys, list(payloads), keep_chunks=keep)
         stored = time.perf_counter()
         await cache.flush()
         self.lookup_load_s.append(loaded - start)

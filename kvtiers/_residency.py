@@ -240,46 +240,32 @@ class Residency:
                 else:
                     slot.policy.insert_cold(keys[i])
 
-    async def _make_room(self, slot: Slot, count: int, protect: set[ChunkKey]) -> None:
-        """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go)."""
+    async def _make_room(
+        self, slot: Slot, count: int, protect: set[ChunkKey], cold_only: bool = False
+    ) -> None:
+        """Evict leaf chunks from a memory tier until `count` blocks are free (or none can go).
+
+        With `cold_only`, only chunks stored cold go (room for more cold chunks).
+        """
         tier, policy = slot.tier, slot.policy
         if not isinstance(tier, BlockTier) or policy is None:
             return
         while (need := count - tier.num_free_chunks) > 0:
-            victims = self._pick_victims(slot, tier, policy, need, protect)
+            candidates = policy.cold_candidates() if cold_only else policy.candidates()
+            victims = self._index.pick_leaves(
+                candidates,
+                slot.idx,
+                need,
+                lambda key: (
+                    key in protect
+                    or key in self._evicting
+                    or key in self._pending
+                    or tier.is_pinned(key)
+                ),
+            )
             if not victims:
                 return
             await self._evict(slot, tier, victims)
-
-    def _pick_victims(
-        self,
-        slot: Slot,
-        tier: BlockTier[Any],
-        policy: HintedPolicy,
-        need: int,
-        protect: set[ChunkKey],
-    ) -> list[ChunkKey]:
-        # NOTE: only leaves of this tier go, so no tier holds a suffix without its prefix;
-        # a parent counts as a leaf once all its children in this tier are already picked.
-        gone: Counter[ChunkKey] = Counter()
-        victims: list[ChunkKey] = []
-        for candidate in policy.candidates():
-            key = cast(ChunkKey, candidate)
-            if (
-                key in protect
-                or key in self._evicting
-                or key in self._pending
-                or tier.is_pinned(key)
-                or self._index.children_in(key, slot.idx) > gone[key]
-            ):
-                continue
-            victims.append(key)
-            parent = self._index.parent_of(key)
-            if parent is not None:
-                gone[parent] += 1
-            if len(victims) >= need:
-                break
-        return victims
 
     async def _evict(self, slot: Slot, tier: BlockTier[Any], victims: list[ChunkKey]) -> None:
         self._evicting.update(victims)

@@ -355,7 +355,7 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
                 other until a hit. None: no hint.
 
         Returns:
-            Tokens newly stored: full chunks that no tier held before.
+            Tokens newly stored: full chunks no tier held before and one holds now.
 
         Raises:
             TokenError: bad token ids.

@@ -61,14 +61,17 @@ async def test_key_level_and_paged_stores_take_the_hint(layout):
         chunks = [kv.narrow(2, i * CHUNK, CHUNK) for i in range(4)]
         assert await cache.put_chunks(keys, chunks, keep_chunks=1) == [True] * 4
         await cache.store(conversation(3), make_kv(layout, 4 * CHUNK, seed=3))
+        # The three cold chunks went first, then the least recent warm one.
         assert [await cache.lookup(t) for t in (older, ended)] == [3 * CHUNK, CHUNK]
         gen = torch.Generator().manual_seed(4)
         shape = (2, 8, CHUNK // 2, layout.num_kv_heads, layout.head_size)
         engine = [torch.randn(shape, generator=gen).half() for _ in range(layout.num_layers)]
         paged = conversation(4)
-        assert await cache.store_paged(paged, PagedKV.vllm_flash(engine), range(8), keep_tokens=0)
-        await cache.store(conversation(5), make_kv(layout, 4 * CHUNK, seed=5))
-        assert await cache.lookup(paged) == 0
+        # DRAM is full of warm chunks: the two kept evict two, the two cold find no room.
+        stored = await cache.store_paged(
+            paged, PagedKV.vllm_flash(engine), range(8), keep_tokens=2 * CHUNK
+        )
+        assert stored == await cache.lookup(paged) == 2 * CHUNK
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
@@ -83,3 +86,32 @@ async def test_a_bad_hint_is_a_typed_error_and_stores_nothing(layout, bad):
             await cache.put_chunks(keys, chunks, keep_chunks=bad)
         assert await cache.lookup(tokens) == 0
         assert cache.tiers[0].usage().num_entries == 0
+
+
+async def test_a_cold_chunk_never_evicts_a_warm_one_it_goes_below(layout, tmp_path):
+    config = make_config(tmp_path, dram_chunks=8, lmdb_chunks=64)
+    async with TieredCache.from_config(config) as cache:
+        warm = [conversation(1), conversation(2)]  # DRAM full
+        for n, tokens in enumerate(warm):
+            await cache.store(tokens, make_kv(layout, len(tokens), seed=n))
+        ended = conversation(3)
+        kv = make_kv(layout, len(ended), seed=3)
+        assert await cache.store(ended, kv, keep_tokens=0) == len(ended)
+        await cache.flush()
+        dram = cache.tiers[0]
+        for tokens in warm:
+            assert await dram.contains(cache.keys(tokens)) == [True] * 4
+        assert await dram.contains(cache.keys(ended)) == [False] * 4
+        assert await cache.lookup(ended) == len(ended)  # from lmdb
+        got = await cache.load(ended)
+        assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+
+
+async def test_with_one_tier_a_cold_chunk_without_room_is_not_stored(layout):
+    async with TieredCache.from_config(make_config(dram_chunks=8)) as cache:
+        for n in (1, 2):
+            await cache.store(conversation(n), make_kv(layout, 4 * CHUNK, seed=n))
+        ended = conversation(3)
+        assert await cache.store(ended, make_kv(layout, len(ended)), keep_tokens=0) == 0
+        assert await cache.lookup(ended) == 0
+        assert [await cache.lookup(conversation(n)) for n in (1, 2)] == [4 * CHUNK] * 2

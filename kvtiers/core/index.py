@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvtiers.core.keys import ChunkKey
 
@@ -175,6 +177,33 @@ class PrefixIndex:
         """Return the parent key of `key`, or `None` for a first chunk or an unknown key."""
         node = self._nodes.get(key)
         return node.parent.key if node is not None and node.parent is not None else None
+
+    def pick_leaves(
+        self,
+        candidates: Iterable[Hashable],
+        tier: int,
+        need: int,
+        skip: Callable[[ChunkKey], bool] | None = None,
+    ) -> list[ChunkKey]:
+        """Return up to `need` of `candidates`, in their order, that may leave `tier` together.
+
+        Only leaves of the tier go, so no tier holds a suffix without its prefix; a parent
+        counts as a leaf once all its children in the tier are already picked. Candidates
+        for which `skip` is true are passed over. Both the cache and the replay evict so.
+        """
+        gone: Counter[ChunkKey] = Counter()
+        victims: list[ChunkKey] = []
+        for candidate in candidates:
+            key = cast(ChunkKey, candidate)
+            if (skip is not None and skip(key)) or self.children_in(key, tier) > gone[key]:
+                continue
+            victims.append(key)
+            parent = self.parent_of(key)
+            if parent is not None:
+                gone[parent] += 1
+            if len(victims) >= need:
+                break
+        return victims
 
     def keys_in(self, tier: int) -> Iterator[ChunkKey]:
         """Yield every key resident in `tier` (no order)."""

@@ -8,7 +8,9 @@ on, an agent that its next call extends this context, a document Q&A service whi
 the prompt is the shared document and which the one-off question. `HintedPolicy` takes that
 knowledge as a hint per stored chunk: a chunk stored without expected reuse (`insert_cold`)
 waits in a queue of its own, evicted before anything the wrapped policy orders, until a hit
-shows the hint wrong and moves it into the wrapped policy as a new entry.
+shows the hint wrong and moves it into the wrapped policy as a new entry. An owner that
+makes room before it inserts (`TieredCache`) takes room for a cold chunk only from other
+cold ones (`cold_candidates`): a chunk no one expects back never evicts one someone does.
 """
 
 from __future__ import annotations
@@ -95,3 +97,7 @@ class HintedPolicy(EvictionPolicy):
         # docstring inherited
         yield from self._cold
         yield from self.inner.candidates()
+
+    def cold_candidates(self) -> Iterator[Hashable]:
+        """Yield the cold entries only, oldest first: the room a cold entry may take."""
+        yield from self._cold

@@ -25,7 +25,6 @@ does with `keep_tokens`.
 from __future__ import annotations
 
 from array import array
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -206,7 +205,7 @@ def _offer(index: PrefixIndex, tier: _Tier, keys: list[ChunkKey], keep: int) -> 
 def _evict(index: PrefixIndex, tier: _Tier) -> None:
     """Evict leaves of `tier` in policy order until it is within capacity."""
     while (need := tier.resident - tier.spec.capacity_blocks) > 0:
-        victims = _pick_victims(index, tier, need)
+        victims = index.pick_leaves(tier.policy.candidates(), tier.idx, need)
         if not victims:
             return  # only a policy that hides residents gets here; the cache stops too
         below = tier.below
@@ -217,25 +216,6 @@ def _evict(index: PrefixIndex, tier: _Tier) -> None:
             tier.policy.evicted(key)
         tier.resident -= len(victims)
         tier.evictions += len(victims)
-
-
-def _pick_victims(index: PrefixIndex, tier: _Tier, need: int) -> list[ChunkKey]:
-    # NOTE: the same rule as the cache's _pick_victims: only leaves of this tier go, and a
-    # parent counts as a leaf once all its children in this tier are already picked.
-    idx = tier.idx
-    gone: Counter[ChunkKey] = Counter()
-    victims: list[ChunkKey] = []
-    for candidate in tier.policy.candidates():
-        key = cast(ChunkKey, candidate)
-        if index.children_in(key, idx) > gone[key]:
-            continue
-        victims.append(key)
-        parent = index.parent_of(key)
-        if parent is not None:
-            gone[parent] += 1
-        if len(victims) >= need:
-            break
-    return victims
 
 
 def _demote(index: PrefixIndex, tier: _Tier, key: ChunkKey) -> None:

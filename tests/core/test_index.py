@@ -324,3 +324,19 @@ def test_attach_links_a_piece_to_its_prefix() -> None:
     for k in reversed(keys):
         index.discard(k, 0)
     assert len(index) == 0
+
+
+def test_pick_leaves_takes_a_parent_only_after_its_picked_children() -> None:
+    index = PrefixIndex(num_tiers=2)
+    a, b = chain(0, 1, 2), chain(0, 1, 3)  # a fork after two shared chunks
+    for keys in (a, b):
+        for i in range(3):
+            index.add(keys, i, 0)
+    index.add(chain(0, 1, 2, 4), 3, 1)  # a child in another tier holds nothing back
+    root, mid = a[0], a[1]
+    # In the given order: the shared chunks wait for both leaves, then may go.
+    assert index.pick_leaves([root, mid, a[2], b[2]], 0, 4) == [a[2], b[2]]
+    assert index.pick_leaves([a[2], b[2], mid, root], 0, 4) == [a[2], b[2], mid, root]
+    assert index.pick_leaves([a[2], b[2], mid, root], 0, 2) == [a[2], b[2]]
+    # A skipped leaf holds its parent back.
+    assert index.pick_leaves([a[2], b[2], mid], 0, 3, skip=lambda k: k == b[2]) == [a[2]]

@@ -60,8 +60,6 @@ def test_replay_with_hints_adds_a_hinted_run_beside_each_policy(capsys):
     assert main(["replay", *argv, "--hints", "future", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "\nlru+future " in out and "+future: the policy given reuse hints" in out
-    assert main(["replay", *argv, "--hints", "future", "--full", "--no-progress"]) == 2
-    assert "--hints: only in the index-only mode" in capsys.readouterr().err
     assert run_json(capsys, *argv)["hints"] is None
 
 

@@ -14,7 +14,16 @@ from kvtiers.cli import main
 from kvtiers.core.config import load_config
 from kvtiers.core.errors import ConfigError
 from kvtiers.eviction import available_policies
-from kvtiers.replay import TierSpec, ideal_hits, optimum, read_trace, replay, single_tier
+from kvtiers.replay import (
+    ReuseHints,
+    TierSpec,
+    hints_for,
+    ideal_hits,
+    optimum,
+    read_trace,
+    replay,
+    single_tier,
+)
 from kvtiers.tiers import _lmdb_format
 from kvtiers.tiers.lmdb import LMDBTier
 from tests._cli_errors import one_line_error
@@ -86,6 +95,40 @@ def test_lru_matches_the_index_only_mode_on_random_tries(tmp_path_factory, chain
     tiers = single_tier(capacity, "lru")
     full = asyncio.run(replay_full(trace, tiers, LAYOUT))
     assert full.run.request_hits == replay(trace, tiers).request_hits
+
+
+@pytest.mark.parametrize("source", ["turns", "future"])
+async def test_lru_with_hints_serves_what_the_index_only_mode_serves(source):
+    """The cache makes room before it stores, the simulation evicts after: with reuse
+    hints they still agree, because a cold chunk takes room only from other cold ones."""
+    trace = read_trace(CONVERSATION, limit=600)
+    tiers = single_tier(int(0.05 * trace.unique_blocks), "lru")
+    hints = hints_for(trace, source)
+    full = await replay_full(trace, tiers, LAYOUT, hints=hints)
+    assert full.run.request_hits == replay(trace, tiers, hints=hints.blocks).request_hits
+    assert full.run.policy == f"lru+{source}" and full.verify_failures == 0
+    assert full.run.hits > replay(trace, tiers).hits
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains=random_chains(max_requests=25), capacity=st.integers(1, 12), data=st.data())
+def test_lru_with_random_hints_matches_the_index_only_mode(
+    tmp_path_factory, chains, capacity, data
+):
+    trace = trace_from_chains(tmp_path_factory.mktemp("t") / "t.jsonl", chains)
+    blocks = tuple(data.draw(st.integers(0, len(ids))) for ids in trace.requests)
+    hints = ReuseHints("random", blocks)
+    tiers = single_tier(capacity, "lru")
+    full = asyncio.run(replay_full(trace, tiers, LAYOUT, hints=hints))
+    assert full.run.request_hits == replay(trace, tiers, hints=blocks).request_hits
+
+
+def test_full_mode_replays_each_run_with_hints_too(capsys):
+    argv = [str(SYNTHETIC), "--limit", LIMIT, "--capacity", "5%", "--policy", "lru", "--full"]
+    assert main(["replay", *argv, "--hints", "turns", "--json", "--no-progress"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["policy"] for r in runs] == ["lru", "lru+turns"]
+    assert all(r["hits"] == r["index_only_hits"] and r["verify_failures"] == 0 for r in runs)
 
 
 @pytest.mark.parametrize("policy", available_policies())
