@@ -23,6 +23,18 @@ class _Node:
     # child_tiers[t]: children resident in tier t. A node with child_tiers[t] == 0 is a leaf
     # of tier t, so evicting it from t leaves no suffix in t without its prefix.
     child_tiers: list[int] = field(default_factory=list)
+    # The children, newest first, as an intrusive doubly linked list (24 bytes a node, where
+    # a dict of children would take 184): `pick_leaves` evicts a branch with them.
+    first_child: _Node | None = None
+    next_sibling: _Node | None = None
+    prev_sibling: _Node | None = None
+
+    def children(self) -> Iterator[_Node]:
+        """Yield the children, newest first."""
+        child = self.first_child
+        while child is not None:
+            yield child
+            child = child.next_sibling
 
     def __repr__(self) -> str:  # parents are printed by key only, to avoid recursion
         parent = self.parent.key.hex()[:8] if self.parent else None
@@ -157,7 +169,7 @@ class PrefixIndex:
                 return False
             ancestor = ancestor.parent
         node.parent = up
-        up.num_children += 1
+        _link(up, node)
         for tier in range(self.num_tiers):
             if node.tiers >> tier & 1:
                 up.child_tiers[tier] += 1
@@ -185,25 +197,26 @@ class PrefixIndex:
         need: int,
         skip: Callable[[ChunkKey], bool] | None = None,
     ) -> list[ChunkKey]:
-        """Return up to `need` of `candidates`, in their order, that may leave `tier` together.
+        """Return up to `need` chunks to evict from `tier`, in the order of `candidates`.
 
-        Only leaves of the tier go, so no tier holds a suffix without its prefix; a parent
-        counts as a leaf once all its children in the tier are already picked. Candidates
-        for which `skip` is true are passed over. Both the cache and the replay evict so.
+        Only leaves of the tier go, so no tier holds a suffix without its prefix. A
+        candidate with children in the tier goes with its branch: its descendants in the
+        tier first, each after its own children, older sub-branches first, then itself (a
+        policy ranks a branch by its root, and a suffix is of no use without it).
+        Candidates `skip` refuses are passed over, with their branches; a descendant it
+        refuses keeps its ancestors. Both the cache and the replay evict so.
         """
-        gone: Counter[ChunkKey] = Counter()
-        victims: list[ChunkKey] = []
+        picking = _Picking(tier, need, skip)
         for candidate in candidates:
-            key = cast(ChunkKey, candidate)
-            if (skip is not None and skip(key)) or self.children_in(key, tier) > gone[key]:
+            node = self._nodes.get(cast(ChunkKey, candidate))
+            if node is None or node.key in picking.picked:
                 continue
-            victims.append(key)
-            parent = self.parent_of(key)
-            if parent is not None:
-                gone[parent] += 1
-            if len(victims) >= need:
+            if skip is not None and skip(node.key):
+                continue
+            picking.branch(node)
+            if len(picking.victims) >= need:
                 break
-        return victims
+        return picking.victims
 
     def keys_in(self, tier: int) -> Iterator[ChunkKey]:
         """Yield every key resident in `tier` (no order)."""
@@ -226,7 +239,7 @@ class PrefixIndex:
             node = _Node(keys[i], parent, child_tiers=[0] * self.num_tiers)
             nodes[keys[i]] = node
             if parent is not None:
-                parent.num_children += 1
+                _link(parent, node)
             parent = node
         assert node is not None
         return node
@@ -237,4 +250,67 @@ class PrefixIndex:
             parent = node.parent
             if parent is not None:
                 parent.num_children -= 1
+                _unlink(parent, node)
             node = parent
+
+
+def _link(parent: _Node, child: _Node) -> None:
+    """Make `child` the newest of `parent`'s children."""
+    parent.num_children += 1
+    child.next_sibling = parent.first_child
+    if parent.first_child is not None:
+        parent.first_child.prev_sibling = child
+    parent.first_child = child
+
+
+def _unlink(parent: _Node, child: _Node) -> None:
+    """Take `child` out of `parent`'s children."""
+    if child.prev_sibling is not None:
+        child.prev_sibling.next_sibling = child.next_sibling
+    else:
+        parent.first_child = child.next_sibling
+    if child.next_sibling is not None:
+        child.next_sibling.prev_sibling = child.prev_sibling
+    child.prev_sibling = child.next_sibling = None
+
+
+class _Picking:
+    """The victims of one `PrefixIndex.pick_leaves` call, picked branch by branch."""
+
+    __slots__ = ("bit", "gone", "need", "picked", "skip", "tier", "victims")
+
+    def __init__(self, tier: int, need: int, skip: Callable[[ChunkKey], bool] | None) -> None:
+        self.tier, self.bit, self.need, self.skip = tier, 1 << tier, need, skip
+        self.victims: list[ChunkKey] = []
+        self.picked: set[ChunkKey] = set()
+        self.gone: Counter[ChunkKey] = Counter()  # per parent, its children picked
+
+    def _stays(self, node: _Node) -> bool:
+        """Return whether a child of `node` in the tier is not picked (yet)."""
+        return node.child_tiers[self.tier] > self.gone[node.key]
+
+    def branch(self, root: _Node) -> None:
+        """Pick `root`'s branch in the tier, until `need` victims are picked.
+
+        In post-order, the children of a node oldest first (in the order they were
+        indexed), so a branch's older sub-branches go first.
+        """
+        stack: list[tuple[_Node, bool]] = [(root, False)]
+        while stack and len(self.victims) < self.need:
+            node, expanded = stack.pop()
+            if not expanded and self._stays(node):
+                stack.append((node, True))
+                stack.extend(  # newest first onto the stack: the oldest is taken first
+                    (child, False)
+                    for child in node.children()
+                    if child.tiers & self.bit and child.key not in self.picked
+                )
+                continue
+            if self._stays(node) or node.key in self.picked:
+                continue  # something below it stays
+            if node is not root and self.skip is not None and self.skip(node.key):
+                continue
+            self.victims.append(node.key)
+            self.picked.add(node.key)
+            if node.parent is not None:
+                self.gone[node.parent.key] += 1

@@ -2,7 +2,8 @@
 
 The index-only mode: tiers hold no bytes, only residency in the library's own `PrefixIndex`,
 ordered by the library's own policies (`make_policy`), and evicted the way `TieredCache`
-evicts: leaves of the tier only, so no tier holds a suffix without its prefix.
+evicts (`PrefixIndex.pick_leaves`): a block with its branch, leaves first, so no tier holds
+a suffix without its prefix.
 
 Each request, in file order, one at a time:
 
@@ -203,7 +204,7 @@ def _offer(index: PrefixIndex, tier: _Tier, keys: list[ChunkKey], keep: int) -> 
 
 
 def _evict(index: PrefixIndex, tier: _Tier) -> None:
-    """Evict leaves of `tier` in policy order until it is within capacity."""
+    """Evict branches of `tier`, leaves first, in policy order until within capacity."""
     while (need := tier.resident - tier.spec.capacity_blocks) > 0:
         victims = index.pick_leaves(tier.policy.candidates(), tier.idx, need)
         if not victims:

@@ -250,6 +250,9 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         for k, node in nodes.items():
             kids = children[k]
             assert node.num_children == len(kids)
+            # The children a branch is evicted with are exactly the nodes under it.
+            linked = list(node.children())
+            assert len(linked) == len(kids) and {id(c) for c in linked} == {id(c) for c in kids}
             for t in range(_NUM_TIERS):
                 resident_kids = sum(1 for c in kids if c.tiers >> t & 1)
                 assert node.child_tiers[t] == resident_kids
@@ -326,7 +329,7 @@ def test_attach_links_a_piece_to_its_prefix() -> None:
     assert len(index) == 0
 
 
-def test_pick_leaves_takes_a_parent_only_after_its_picked_children() -> None:
+def test_pick_leaves_takes_a_candidate_with_its_branch_deepest_first() -> None:
     index = PrefixIndex(num_tiers=2)
     a, b = chain(0, 1, 2), chain(0, 1, 3)  # a fork after two shared chunks
     for keys in (a, b):
@@ -334,9 +337,10 @@ def test_pick_leaves_takes_a_parent_only_after_its_picked_children() -> None:
             index.add(keys, i, 0)
     index.add(chain(0, 1, 2, 4), 3, 1)  # a child in another tier holds nothing back
     root, mid = a[0], a[1]
-    # In the given order: the shared chunks wait for both leaves, then may go.
-    assert index.pick_leaves([root, mid, a[2], b[2]], 0, 4) == [a[2], b[2]]
-    assert index.pick_leaves([a[2], b[2], mid, root], 0, 4) == [a[2], b[2], mid, root]
-    assert index.pick_leaves([a[2], b[2], mid, root], 0, 2) == [a[2], b[2]]
-    # A skipped leaf holds its parent back.
-    assert index.pick_leaves([a[2], b[2], mid], 0, 3, skip=lambda k: k == b[2]) == [a[2]]
+    # The first candidate's branch goes first: its children first, the older one first.
+    assert index.pick_leaves([root, a[2]], 0, 4) == [a[2], b[2], mid, root]
+    assert index.pick_leaves([mid, root], 0, 1) == [a[2]]
+    assert index.pick_leaves([b[2], a[2], mid], 0, 2) == [b[2], a[2]]
+    # A refused descendant keeps its ancestors; a refused candidate keeps its branch.
+    assert index.pick_leaves([mid], 0, 3, skip=lambda k: k == b[2]) == [a[2]]
+    assert index.pick_leaves([mid, b[2]], 0, 3, skip=lambda k: k == mid) == [b[2]]

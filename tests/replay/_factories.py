@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,38 +65,49 @@ def random_chains(draw: st.DrawFn, max_requests: int = 40, max_fresh: int = 4) -
 
 
 def reference_hits(trace: Trace, policy_name: str, capacity: int) -> int:
-    """Replay `trace` in the plainest way: a set, a policy, leaf-only eviction."""
+    """Replay `trace` in the plainest way: a set, a policy, branch-wise eviction.
+
+    Every block of a request is offered, so the resident blocks are closed under prefix;
+    a candidate goes with its branch, post-order, children oldest first (as resident).
+    """
     policy = make_policy(policy_name, capacity)
-    resident: set[Hashable] = set()
-    children: dict[int, int] = {}
+    children: dict[int, dict[int, None]] = {}  # resident children, oldest first
     hits = 0
+
+    def post_order(block: int) -> Iterator[int]:
+        for child in list(children.get(block, ())):
+            yield from post_order(child)
+        yield block
+
     for ids in trace.requests:
         for i in ids:
-            if i not in resident:
+            if i not in children:
                 break
             hits += 1
+        new = [i for i in ids if i not in children]
+        for i in new:  # linked prefix first, as the index creates a missing path
+            children[i] = {}
+            if trace.parents[i] >= 0:
+                children[trace.parents[i]][i] = None
         for i in reversed(ids):
-            if i in resident:
-                policy.touch(i)
-            else:
-                resident.add(i)
+            if i in new:
                 policy.insert(i)
-                parent = trace.parents[i]
-                children[parent] = children.get(parent, 0) + 1
-        while (need := len(resident) - capacity) > 0:
-            # A pass in policy order, as the cache does: a block may go once every
-            # resident child of it is already chosen.
+            else:
+                policy.touch(i)
+        while (need := len(children) - capacity) > 0:
             chosen: list[int] = []
             for key in policy.candidates():
                 assert isinstance(key, int)
-                if children.get(key, 0) == sum(trace.parents[c] == key for c in chosen):
-                    chosen.append(key)
-                    if len(chosen) == need:
-                        break
+                for block in post_order(key):
+                    if block not in chosen and len(chosen) < need:
+                        chosen.append(block)
+                if len(chosen) == need:
+                    break
             for key in chosen:
-                resident.discard(key)
+                del children[key]
                 policy.evicted(key)
-                children[trace.parents[key]] -= 1
+                if trace.parents[key] >= 0:
+                    children[trace.parents[key]].pop(key, None)
     return hits
 
 
