@@ -157,11 +157,19 @@ class StateStore:
         last = max((i + 1 for i, hit in enumerate(kept) if hit), default=0)
         return LookupResult(last * cache.layout.chunk_size, found.tiers[:last])
 
-    def save(self, tokens: Any, salt: Salt, blocks: Sequence[int]) -> Future[list[bool]]:
-        """Copy the states in `blocks` now; store them under the end of `tokens` (later)."""
+    def save(
+        self, tokens: Any, salt: Salt, blocks: Sequence[int], cold: bool = False
+    ) -> Future[list[bool]]:
+        """Copy the states in `blocks` now; store them under the end of `tokens` (later).
+
+        A `cold` state (past the request's reuse hint) is stored to be evicted first.
+        """
         payload = self.pages.gather(blocks)
         key = self._key(tokens, salt)
-        return self.entry.loop.submit(self.entry.cache.put_chunks([key], [payload]))
+        keep = 0 if cold else None
+        return self.entry.loop.submit(
+            self.entry.cache.put_chunks([key], [payload], keep_chunks=keep)
+        )
 
     async def fetch(self, tokens: Any, salt: Salt) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """Return the state kept at the end of `tokens` (on the KV loop).
@@ -214,7 +222,7 @@ class StateStore:
         """Copy each save's states out of vLLM's blocks now; store them in the background."""
         for spec in saves:
             try:
-                future = self.save(tokens_of(spec.tokens), spec.salt, spec.blocks)
+                future = self.save(tokens_of(spec.tokens), spec.salt, spec.blocks, spec.cold)
             except Exception:
                 logger.exception("kvtiers: saving a recurrent state failed")
                 self.count("save_errors")

@@ -307,6 +307,8 @@ class StateSave:
     salt: Salt
     blocks: tuple[int, ...]
     """The state's block in each Mamba group, in group order."""
+    cold: bool = False
+    """Past the request's reuse hint (`keep_tokens`): stored cold, evicted first."""
 
 
 @dataclass(frozen=True, slots=True)

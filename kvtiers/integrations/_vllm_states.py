@@ -107,5 +107,6 @@ class StatePlanner:
             self._count("state_saves_missed")
             return
         keyed = tokens_to_bytes(tracked.keyed(at))
-        plan.state_saves.append(StateSave(request.request_id, keyed, tracked.salt, blocks))
+        cold = tracked.keep is not None and at > tracked.keep
+        plan.state_saves.append(StateSave(request.request_id, keyed, tracked.salt, blocks, cold))
         tracked.state_at = at

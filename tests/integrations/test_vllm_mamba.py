@@ -188,3 +188,14 @@ def test_the_states_cache_has_its_own_config_or_the_kvs_tiers_beside_them(tmp_pa
         TieredCache.check_tiers(bad.states_config())
     with pytest.raises(ConfigError, match="mamba_config: expected a file path or a table"):
         ConnectorSettings.from_extra({"mamba_config": 3})
+
+
+def test_a_cold_state_is_stored_to_be_evicted_first(store):
+    states, kv, _ = store
+    warm, cold = TOKENS[: 2 * CHUNK], TOKENS[: 3 * CHUNK]
+    states.save_all([StateSave("r", tokens_to_bytes(warm), None, (1, 1))])
+    states.save_all([StateSave("r", tokens_to_bytes(cold), None, (2, 2), cold=True)])
+    assert states.flush(30)
+    policy = states.entry.cache._mover._slots[0].policy
+    cold_key = states.entry.cache.chunk_keys([kv.cache.keys(cold)[-1]])[0]
+    assert list(policy.cold_candidates()) == [cold_key] and len(policy) == 2

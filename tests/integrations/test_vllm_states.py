@@ -107,6 +107,16 @@ def test_each_step_saves_the_state_it_leaves_where_vllm_keeps_one():
     assert not s.build_plan({"r1": 1}, lambda _: blocks).state_saves  # decoding
 
 
+def test_a_state_past_the_requests_reuse_hint_is_saved_cold():
+    s = side(FakeLookup(hit=0))
+    r = request(num_tokens=300, kv_transfer_params={"kvtiers": {"keep_tokens": 200}})
+    s.get_num_new_matched_tokens(r, 0)
+    (first,) = s.build_plan({"r1": 2 * BLOCK}, lambda _: tables(4)).state_saves
+    r.num_computed_tokens = 2 * BLOCK
+    (last,) = s.build_plan({"r1": 300 - 2 * BLOCK}, lambda _: tables(4)).state_saves
+    assert (first.cold, last.cold) == (False, True)  # at 192, within the hint; at 288, past
+
+
 def test_no_state_is_saved_where_it_was_loaded_or_where_vllm_kept_none():
     s = side(FakeLookup(hit=2 * BLOCK))
     r = request(num_tokens=2 * BLOCK + 50)  # checkpoint 192: the state it resumes from
