@@ -19,8 +19,8 @@ Each request, in file order, one at a time:
 
 With reuse hints (`kvtiers.replay.hints`: per request, the leading blocks the caller expects
 to be requested again), each tier's policy is wrapped in `HintedPolicy`, and the blocks of a
-request past its hint are inserted cold (evicted first until a hit), as `TieredCache.store`
-does with `keep_tokens`.
+request past its hint are inserted cold into the top tier (evicted first until a hit), as
+`TieredCache.store` does with `keep_tokens`; the tiers below take no hint.
 """
 
 from __future__ import annotations
@@ -162,9 +162,10 @@ def replay(
         served = [(mask & -mask).bit_length() - 1 for mask in index.match(keys).tiers]
         for t in served:
             request_hits[t][r] += 1
-        keep = len(keys) if hints is None else hints[r]
-        for tier in (live[0], *through):
-            _offer(index, tier, keys, keep)
+        # NOTE: as in the cache, only the top tier takes the hint.
+        _offer(index, live[0], keys, len(keys) if hints is None else hints[r])
+        for tier in through:
+            _offer(index, tier, keys, len(keys))
         for i, t in enumerate(served):
             if t and live[t].spec.write_policy == "write_back":
                 live[t].policy.touch(keys[i])
