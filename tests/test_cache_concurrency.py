@@ -148,10 +148,13 @@ async def one_op(cache: TieredCache, want: Expected, rng: random.Random) -> None
     tokens = random_prompt(rng)
     keys = cache.keys(tokens)
     op = rng.randrange(9)
+    # A reuse hint on a third of the stores: chunks past it go in cold (or below).
+    keep = rng.choice([None, None, None, None, 0, 1, 3])
     if op == 0:
-        await cache.store(tokens, want.of(tokens))
+        hint = None if keep is None else keep * CS
+        await cache.store(tokens, want.of(tokens), keep_tokens=hint)
     elif op == 1:
-        await cache.put_chunks(keys, [want.chunk(key) for key in keys])
+        await cache.put_chunks(keys, [want.chunk(key) for key in keys], keep_chunks=keep)
     elif op == 2:
         hint = await cache.lookup(tokens)
         assert hint % CS == 0 and 0 <= hint <= len(tokens)
