@@ -285,12 +285,20 @@ class Mover(Gatherer):
             self._record_inserts(top, keys, placed, touched=held, keep=keep)
         overflow = need[len(placed) :]
         if overflow:
-            await self._put_overflow(keys, source, overflow)
+            cold = frozenset(keys[i] for i in overflow if keep is not None and i >= keep)
+            await self._put_overflow(keys, source, overflow, cold)
 
     async def _put_overflow(
-        self, keys: Sequence[ChunkKey], source: Source, idxs: list[int]
+        self,
+        keys: Sequence[ChunkKey],
+        source: Source,
+        idxs: list[int],
+        cold: frozenset[ChunkKey] = frozenset(),
     ) -> None:
-        """Write chunks the top memory tier could not take straight into the tiers below."""
+        """Write chunks the top memory tier could not take straight into the tiers below.
+
+        `cold` are those past the caller's reuse hint (`Residency._put`).
+        """
         start = 1 if self._memtop is not None else 0
         rows = self._stages.rows
         for lo in range(0, len(idxs), rows):
@@ -301,14 +309,19 @@ class Mover(Gatherer):
             direct = [source.direct(i) for i in part] if self._direct_puts or len(idxs) == 1 else []
             if direct and all(buf is not None for buf in direct):
                 # The caller's contiguous host bytes: the tiers read them in place.
-                await self._place_below(keys, part, direct, start)
+                await self._place_below(keys, part, direct, start, cold)
                 continue
             with self._stages.take(len(part)) as stage:
                 await self._caller_copy(source.fill(part, list(stage)), "out of")
-                await self._place_below(keys, part, stage, start)
+                await self._place_below(keys, part, stage, start, cold)
 
     async def _place_below(
-        self, keys: Sequence[ChunkKey], part: list[int], stage: Any, start: int
+        self,
+        keys: Sequence[ChunkKey],
+        part: list[int],
+        stage: Any,
+        start: int,
+        cold: frozenset[ChunkKey],
     ) -> None:
         """Put staged chunks into the tiers from `start` down (see `_put_overflow`)."""
         # Each chunk goes to the first tier below that takes it, and to every
@@ -321,7 +334,7 @@ class Mover(Gatherer):
             if not todo:
                 continue
             todo_keys = [keys[part[j]] for j in todo]
-            flags = await self._put(slot, todo_keys, [stage[j] for j in todo])
+            flags = await self._put(slot, todo_keys, [stage[j] for j in todo], cold)
             for j, flag in zip(todo, flags, strict=True):
                 if flag:
                     if self._index.add(keys, part[j], slot.idx):

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -137,14 +137,25 @@ class Residency:
         if self._pending[key] <= 0:
             del self._pending[key]
 
-    async def _put(self, slot: Slot, keys: list[ChunkKey], views: Sequence[View]) -> list[bool]:
+    async def _put(
+        self,
+        slot: Slot,
+        keys: list[ChunkKey],
+        views: Sequence[View],
+        cold: Collection[ChunkKey] = (),
+    ) -> list[bool]:
         """Put chunks into a tier, first making room when the cache evicts for it.
 
         Views are host buffers, or all HBM blocks (demotions and write-through copies from
-        an HBM tier on top), which `_put_blocks` moves.
+        an HBM tier on top), which `_put_blocks` moves. The chunks in `cold`, and those the
+        top tier holds cold, carry the reuse hint down: the tier's policy or the tier
+        itself (`Tier.put_hinted`) evicts them first.
         """
         if not keys:
             return []
+        top = self._slots[0].policy
+        if top is not None and slot.idx > 0:
+            cold = {key for key in keys if key in cold or top.is_cold(key)}
         if isinstance(slot.tier, BlockTier):
             # NOTE: room for the chunks it lacks only: the cache's index knows a block tier's
             # residency exactly, and a demotion often finds its chunks there already.
@@ -152,20 +163,25 @@ class Residency:
             new = sum(1 for key in keys if not self._index.tiers_of(key) & bit)
             await self._make_room(slot, new, protect=set(keys))
         if isinstance(views[0], torch.Tensor):
-            flags = await self._put_blocks(slot, keys, cast(list[torch.Tensor], views))
+            flags = await self._put_blocks(slot, keys, cast(list[torch.Tensor], views), cold)
         else:
             srcs = cast(Sequence[Buffer], views)
-            flags = await self._call(slot, "put", slot.tier.put(keys, srcs), [False] * len(keys))
+            put = slot.tier.put_hinted(keys, srcs, cold) if cold else slot.tier.put(keys, srcs)
+            flags = await self._call(slot, "put", put, [False] * len(keys))
         if slot.tier.manages_eviction:
             self._reap_slot(slot)
         if slot.policy is not None:
             for key, flag in zip(reversed(keys), reversed(flags), strict=True):
                 if flag:
-                    slot.policy.insert(key)
+                    (slot.policy.insert_cold if key in cold else slot.policy.insert)(key)
         return flags
 
     async def _put_blocks(
-        self, slot: Slot, keys: list[ChunkKey], blocks: list[torch.Tensor]
+        self,
+        slot: Slot,
+        keys: list[ChunkKey],
+        blocks: list[torch.Tensor],
+        cold: Collection[ChunkKey],
     ) -> list[bool]:
         """Put HBM blocks into a lower tier, in one batch of copies on the HBM tier's stream.
 
@@ -180,7 +196,8 @@ class Residency:
                 pairs = [(torch.from_numpy(row), b) for row, b in zip(rows, blocks, strict=True)]
                 if not await self._copy_blocks(pairs, "get"):
                     return default
-                return await self._call(slot, "put", tier.put(keys, rows), default)
+                put = tier.put_hinted(keys, rows, cold) if cold else tier.put(keys, rows)
+                return await self._call(slot, "put", put, default)
         start = time.perf_counter()
         stored = await tier.contains(keys)
         todo = [i for i, held in enumerate(stored) if not held]

@@ -115,3 +115,19 @@ async def test_with_one_tier_a_cold_chunk_without_room_is_not_stored(layout):
         assert await cache.store(ended, make_kv(layout, len(ended)), keep_tokens=0) == 0
         assert await cache.lookup(ended) == 0
         assert [await cache.lookup(conversation(n)) for n in (1, 2)] == [4 * CHUNK] * 2
+
+
+async def test_the_hint_goes_down_to_lmdb_which_evicts_those_chunks_first(layout, tmp_path):
+    config = make_config(tmp_path, dram_chunks=8, lmdb_chunks=8)
+    async with TieredCache.from_config(config) as cache:
+        older, ended, new = conversation(1), conversation(2), conversation(3)
+        await cache.store(older, make_kv(layout, len(older), seed=1))
+        await cache.store(ended, make_kv(layout, len(ended), seed=2), keep_tokens=0)
+        await cache.flush()  # written through to lmdb, cold there too
+        await cache.store(new, make_kv(layout, len(new), seed=3))
+        await cache.flush()
+        lmdb = cache.tiers[1]
+        # Without the hint lmdb would have evicted `older`, its oldest entries.
+        assert await lmdb.contains(cache.keys(older)) == [True] * 4
+        assert await lmdb.contains(cache.keys(ended)) == [False] * 4
+        assert await lmdb.contains(cache.keys(new)) == [True] * 4

@@ -63,6 +63,10 @@ class HintedPolicy(EvictionPolicy):
         self._cold.pop(key, None)
         self.inner.insert(key)
 
+    def is_cold(self, key: Hashable) -> bool:
+        """Return whether `key` is resident and cold (stored cold, not hit since)."""
+        return key in self._cold
+
     def insert_cold(self, key: Hashable) -> None:
         """Record that `key` became resident with no reuse expected: evict it first.
 

@@ -19,8 +19,9 @@ Each request, in file order, one at a time:
 
 With reuse hints (`kvtiers.replay.hints`: per request, the leading blocks the caller expects
 to be requested again), each tier's policy is wrapped in `HintedPolicy`, and the blocks of a
-request past its hint are inserted cold into the top tier (evicted first until a hit), as
-`TieredCache.store` does with `keep_tokens`; the tiers below take no hint.
+request past its hint are inserted cold (evicted first until a hit), as `TieredCache.store`
+does with `keep_tokens`: into the top tier and the write-through tiers, and a cold block
+evicted into a write-back tier stays cold there.
 """
 
 from __future__ import annotations
@@ -162,10 +163,9 @@ def replay(
         served = [(mask & -mask).bit_length() - 1 for mask in index.match(keys).tiers]
         for t in served:
             request_hits[t][r] += 1
-        # NOTE: as in the cache, only the top tier takes the hint.
-        _offer(index, live[0], keys, len(keys) if hints is None else hints[r])
-        for tier in through:
-            _offer(index, tier, keys, len(keys))
+        keep = len(keys) if hints is None else hints[r]
+        for tier in (live[0], *through):
+            _offer(index, tier, keys, keep)
         for i, t in enumerate(served):
             if t and live[t].spec.write_policy == "write_back":
                 live[t].policy.touch(keys[i])
@@ -213,17 +213,22 @@ def _evict(index: PrefixIndex, tier: _Tier) -> None:
         below = tier.below
         for key in victims:
             if below is not None:
-                _demote(index, below, key)  # before the discard, which may prune the node
+                # Before the discard, which may prune the node; a cold block stays cold.
+                cold = isinstance(tier.policy, HintedPolicy) and tier.policy.is_cold(key)
+                _demote(index, below, key, cold)
             index.discard(key, tier.idx)
             tier.policy.evicted(key)
         tier.resident -= len(victims)
         tier.evictions += len(victims)
 
 
-def _demote(index: PrefixIndex, tier: _Tier, key: ChunkKey) -> None:
+def _demote(index: PrefixIndex, tier: _Tier, key: ChunkKey, cold: bool) -> None:
     """Write an evicted block into the write-back tier below (touch it if already there)."""
     if index.mark(key, tier.idx):
-        tier.policy.insert(key)
+        if cold:
+            cast(HintedPolicy, tier.policy).insert_cold(key)
+        else:
+            tier.policy.insert(key)
         tier.resident += 1
         tier.inserts += 1
     else:

@@ -134,6 +134,15 @@ class TierTests:
         for src, dst in zip(srcs, dsts, strict=True):
             assert np.array_equal(src, dst)
 
+    async def test_put_hinted_stores_as_put_does(self, tier: Tier) -> None:
+        keys, srcs = self.keys(4), self.payloads(4)
+        assert await tier.put_hinted(keys, srcs, cold=keys[2:]) == [True] * 4
+        dsts = self.dsts(4)
+        assert await tier.get(keys, dsts) == [True] * 4
+        for src, dst in zip(srcs, dsts, strict=True):
+            assert np.array_equal(src, dst)
+        assert await tier.put_hinted([], [], cold=()) == []
+
     async def test_roundtrip_strided(self, tier: Tier) -> None:
         keys, srcs = self.keys(4), self.payloads(4)
         src_base, src_views = self.strided(4)

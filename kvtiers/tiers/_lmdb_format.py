@@ -7,6 +7,8 @@ value: py-lmdb faults in every page of a value it returns (with the GIL released
 threads do not stall on it), which for a cold value is a read of it all from the disk.
 Entries of releases before sizes were kept in `seqs` (an 8-byte `seqs` value) are still
 read: their size is taken from the value. Processes sharing a path should run one release.
+Recency is a sequence number per entry, the oldest evicted first; sequence 0 marks entries
+put with no reuse expected (a reuse hint, `Writer.park`), which therefore go first.
 
 A value is a chunk in the format of `kvtiers.tiers._chunk_format` (shared with the remote
 tier), written with six header fields (no per-layer checksums), or eight with an integrity
@@ -163,7 +165,8 @@ class Writer:
     def __init__(self, txn: lmdb.Transaction[memoryview], dbs: Databases, capacity: int) -> None:
         self.txn, self.dbs, self.capacity = txn, dbs, capacity
         self.used = _read_u64(txn, dbs, _USED)  # bytes of stored values
-        self.next_seq = _read_u64(txn, dbs, _NEXT_SEQ)
+        # NOTE: sequence 0 is for entries put with no reuse expected (`park`).
+        self.next_seq = max(1, _read_u64(txn, dbs, _NEXT_SEQ))
         self.evicted: list[bytes] = []  # keys evicted in this transaction
 
     def save(self) -> None:
@@ -185,12 +188,24 @@ class Writer:
         base, n = self.next_seq, len(keys)
         self.next_seq += n
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-            seq = _U64.pack(base + n - 1 - i)
-            old = self.txn.get(key, db=self.dbs.seqs)
-            if old is not None:
-                self.txn.delete(bytes(old[: _U64.size]) + key, db=self.dbs.lru)
-            self.txn.put(seq + key, b"", db=self.dbs.lru)
-            self.txn.put(key, seq + _U64.pack(size), db=self.dbs.seqs)
+            self._place(key, size, _U64.pack(base + n - 1 - i))
+
+    def park(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """Put `keys` first in line for eviction (sequence 0): no reuse is expected.
+
+        A later touch (a read) gives them a sequence of their own again.
+        """
+        zero = _U64.pack(0)
+        for key, size in zip(keys, sizes, strict=True):
+            self._place(key, size, zero)
+
+    def _place(self, key: bytes, size: int, seq: bytes) -> None:
+        """Give `key` (a value of `size` bytes) the recency `seq`."""
+        old = self.txn.get(key, db=self.dbs.seqs)
+        if old is not None:
+            self.txn.delete(bytes(old[: _U64.size]) + key, db=self.dbs.lru)
+        self.txn.put(seq + key, b"", db=self.dbs.lru)
+        self.txn.put(key, seq + _U64.pack(size), db=self.dbs.seqs)
 
     def insert(self, key: bytes, value: bytes | memoryview) -> None:
         self.txn.put(key, value, db=self.dbs.chunks)

@@ -126,10 +126,13 @@ def store_new(
     srcs: Sequence[Buffer],
     packer: ValuePacker,
     limit: int,
+    cold: frozenset[bytes] = frozenset(),
 ) -> tuple[set[bytes], int, int]:
     """Write the batch's new keys that fit, evicting the oldest entries first.
 
-    The tier holds at most `limit` bytes of values; `packer` packs each new chunk.
+    The tier holds at most `limit` bytes of values; `packer` packs each new chunk. New keys
+    in `cold` (a reuse hint: none is expected) go first in line for eviction; the batch's
+    other keys become the most recently used.
 
     Returns:
         The batch's keys held after the write, how many were new, how many declined.
@@ -158,5 +161,7 @@ def store_new(
         value = packer.pack(out, new_key, srcs_by_key[ChunkKey(new_key)])
         writer.insert(new_key, value)  # LMDB copies it: `out` is free again
         kept[new_key] = len(value)
+    parked = {key: kept.pop(key) for key in new if key in cold} if cold else {}
     writer.touch(list(kept), list(kept.values()))
-    return set(kept), len(new), len(srcs_by_key) - len(kept)
+    writer.park(list(parked), list(parked.values()))
+    return set(kept) | set(parked), len(new), len(srcs_by_key) - len(kept) - len(parked)

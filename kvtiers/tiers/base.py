@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Self, cast
 
@@ -195,6 +195,16 @@ class Tier(ABC):
     @abstractmethod
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         """Store each source under its key; `False` where the tier declined."""
+
+    async def put_hinted(
+        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], cold: Collection[ChunkKey]
+    ) -> list[bool]:
+        """Store as `put` does; no reuse is expected of the new entries among `cold`.
+
+        A reuse hint (`TieredCache.store`'s `keep_tokens`): a tier that evicts by itself
+        may evict those entries first (the lmdb tier does). By default the hint is ignored.
+        """
+        return await self.put(keys, srcs)
 
     @abstractmethod
     async def delete(self, keys: Sequence[ChunkKey]) -> None:

@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -285,17 +285,31 @@ class LMDBTier(Tier):
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
+        return await self.put_hinted(keys, srcs, ())
+
+    async def put_hinted(
+        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], cold: Collection[ChunkKey]
+    ) -> list[bool]:
+        # docstring inherited
         self._ensure_open()
         check_keys(keys)
         self._check_buffers(keys, srcs)
         if not keys:
             return []
-        return (await self._run([functools.partial(self._put, keys, srcs)]))[0]
+        put = functools.partial(self._put, keys, srcs, frozenset(cold))
+        return (await self._run([put]))[0]
 
     def _put(
-        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], cancel: threading.Event
+        self,
+        keys: Sequence[ChunkKey],
+        srcs: Sequence[Buffer],
+        cold: frozenset[bytes],
+        cancel: threading.Event,
     ) -> list[bool]:
-        plan = functools.partial(self._store, keys, srcs)
+        def plan(writer: Writer) -> tuple[set[bytes], int, int]:
+            # NOTE: the limit is read as the transaction runs: a retry sees it lowered.
+            return store_new(writer, keys, srcs, self._packer, self._limit, cold)
+
         try:
             done = self._write_freeing_dead_readers(plan, cancel)
         except lmdb.MapFullError as exc:
@@ -350,13 +364,6 @@ class LMDBTier(Tier):
                 raise
             logger.info("kvtiers: lmdb tier %s freed reader slots of dead processes", self.name)
             return self._write(fn, cancel)
-
-    def _store(
-        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], writer: Writer
-    ) -> tuple[set[bytes], int, int]:
-        """Write the batch's new keys that fit; see `store_new`."""
-        # NOTE: the limit is read as the transaction runs: a retry sees it lowered.
-        return store_new(writer, keys, srcs, self._packer, self._limit)
 
     def _write_failed(
         self, keys: Sequence[ChunkKey], exc: lmdb.Error, cancel: threading.Event
