@@ -25,7 +25,6 @@ Run: `python -m benchmarks.bench_vllm_hybrid [--quick]`.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +38,11 @@ from benchmarks.bench_vllm_ttft import (
     _kvtiers,
     _log,
     _ttfts,
-    build_model,
+    case_rows,
+    engine_data,
     engine_main,
     medians,
     recorder,
-    run_engine_side,
     uncached,
 )
 
@@ -119,21 +118,12 @@ def run(quick: bool) -> list[Result]:
     # More prompts than bench_vllm_ttft: single requests here swing 2-5x on this 2-core
     # machine, so the medians need more of them.
     count = _ROUNDS if quick else 3 * _ROUNDS
-    with tempfile.TemporaryDirectory(prefix="kvtiers-hybrid-") as tmp:
-        work = Path(tmp)
-        model, env = build_model(work, layers, hidden, "--sliding", str(WINDOW))
-        args = (model, work, shared, distinct, count)
-        data = run_engine_side("benchmarks.bench_vllm_hybrid", _MARK, env, args)
+    dims = (layers, hidden, shared, distinct, count)
+    data = engine_data("benchmarks.bench_vllm_hybrid", _MARK, dims, "--sliding", str(WINDOW))
     med = medians(data)
-    base, floor, new_base = med["none"], med["floor"], med["none_new"]
+    base, new_base, row = med["none"], med["none_new"], case_rows(data, med)
     size = (f"{layers} layers x {hidden}, window {WINDOW} on even layers, {shared} shared + "
             f"{distinct} distinct tokens, {count} prompts")  # fmt: skip
-
-    def row(name: str, key: str, against: float, notes: str = "") -> Result:
-        cached = f"{min(data[f'cached_{key}'])} tokens cached (min)"
-        above = f"above floor {(med[key] - floor) * 1e3:,.0f} ms"
-        return Result(name, med[key] * 1e3, against * 1e3, "ms", against / med[key], "-", None,
-                      "; ".join(n for n in (cached, above, notes) if n))  # fmt: skip
 
     results = [
         Result.of_times("TTFT, no cache (hybrid manager on)", base, None, notes=size),

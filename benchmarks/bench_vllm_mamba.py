@@ -26,7 +26,6 @@ Run: `python -m benchmarks.bench_vllm_mamba [--quick]`.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +38,11 @@ from benchmarks.bench_vllm_ttft import (
     _log,
     _ttft,
     _ttfts,
-    build_model,
+    case_rows,
+    engine_data,
     engine_main,
     medians,
     recorder,
-    run_engine_side,
     size_of,
     uncached,
 )
@@ -96,29 +95,18 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
 
 def run(quick: bool) -> list[Result]:
     """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
-    layers, hidden, shared, distinct, count = size_of(quick)
-    with tempfile.TemporaryDirectory(prefix="kvtiers-mamba-") as tmp:
-        work = Path(tmp)
-        model, env = build_model(work, layers, hidden, "--mamba")
-        args = (model, work, shared, distinct, count)
-        data = run_engine_side("benchmarks.bench_vllm_mamba", _MARK, env, args)
+    layers, hidden, shared, distinct, count = dims = size_of(quick)
+    data = engine_data("benchmarks.bench_vllm_mamba", _MARK, dims, "--mamba")
     med = medians(data)
-    base, floor = med["none"], med["floor"]
+    base, row = med["none"], case_rows(data, med)
     notes = (f"{layers} layers x {hidden} (Mamba-2, attention, ...), {shared} shared + "
              f"{distinct} distinct tokens, {count} prompts")  # fmt: skip
-
-    def row(name: str, key: str, extra: str = "") -> Result:
-        cached = f"{min(data[f'cached_{key}'])} tokens cached (min)"
-        above = f"above floor {(med[key] - floor) * 1e3:,.0f} ms"
-        return Result(name, med[key] * 1e3, base * 1e3, "ms", base / med[key], "-", None,
-                      "; ".join(n for n in (cached, above, extra) if n))  # fmt: skip
-
     results = [
         Result.of_times("TTFT, no cache (prefix caching off)", base, None, notes=notes),
-        row("TTFT, vLLM align mode, unseen prompts", "align_unseen", "align mode's own cost"),
-        row("TTFT, vLLM align mode, prefix cache warm (floor)", "floor"),
-        row("TTFT, kvtiers LMDB (fresh engine, page cache warm)", "lmdb"),
-        row("TTFT, new prompts sharing the prefix, kvtiers", "new", "no state kept there"),
+        row("TTFT, vLLM align mode, unseen prompts", "align_unseen", base, "align mode's own cost"),
+        row("TTFT, vLLM align mode, prefix cache warm (floor)", "floor", base),
+        row("TTFT, kvtiers LMDB (fresh engine, page cache warm)", "lmdb", base),
+        row("TTFT, new prompts sharing the prefix, kvtiers", "new", base, "no state kept there"),
     ]
     print(_MARK + json.dumps({"medians_ms": {k: v * 1e3 for k, v in med.items()}, **data}))
     return results

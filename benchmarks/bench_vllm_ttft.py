@@ -310,6 +310,36 @@ def run_engine_side(
     return result
 
 
+def engine_data(
+    module: str, mark: str, dims: tuple[int, int, int, int, int], *flags: str
+) -> dict[str, Any]:
+    """Build a tiny model in a temporary folder; return `module`'s engine side's result.
+
+    Args:
+        module: the benchmark module whose engine side runs (`run_engine_side`).
+        mark: the prefix of its result line.
+        dims: layers, hidden size, shared tokens, distinct tokens and prompts.
+        flags: `build_tiny_llama.py` flags (the model's kind).
+    """
+    layers, hidden, shared, distinct, count = dims
+    with tempfile.TemporaryDirectory(prefix="kvtiers-bench-") as tmp:
+        work = Path(tmp)
+        model, env = build_model(work, layers, hidden, *flags)
+        return run_engine_side(module, mark, env, (model, work, shared, distinct, count))
+
+
+def case_rows(data: dict[str, Any], med: dict[str, float]) -> Callable[..., Result]:
+    """Return a row maker: case `key`'s median TTFT against `against`, its cached tokens."""
+
+    def row(name: str, key: str, against: float, notes: str = "") -> Result:
+        cached = f"{min(data[f'cached_{key}'])} tokens cached (min)"
+        return _row(
+            name, med[key], against, med["floor"], "; ".join(n for n in (cached, notes) if n)
+        )
+
+    return row
+
+
 def medians(data: dict[str, Any]) -> dict[str, float]:
     """Return the median of every timed row of an engine side's result."""
     return {
@@ -348,12 +378,8 @@ def size_of(quick: bool) -> tuple[int, int, int, int, int]:
 
 def run(quick: bool) -> list[Result]:
     """Build the model, run the engine side under `.venv-vllm`, and report the medians."""
-    layers, hidden, shared, distinct, count = size_of(quick)
-    with tempfile.TemporaryDirectory(prefix="kvtiers-ttft-") as tmp:
-        work = Path(tmp)
-        model, env = build_model(work, layers, hidden)
-        args = (model, work, shared, distinct, count)
-        data = run_engine_side("benchmarks.bench_vllm_ttft", _MARK, env, args)
+    layers, hidden, shared, distinct, count = dims = size_of(quick)
+    data = engine_data("benchmarks.bench_vllm_ttft", _MARK, dims)
     med = medians(data)
     base, floor = med["none"], med["floor"]
     size = (f"{layers} layers x {hidden}, {shared} shared + {distinct} distinct tokens, "
