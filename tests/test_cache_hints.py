@@ -131,3 +131,28 @@ async def test_the_hint_goes_down_to_lmdb_which_evicts_those_chunks_first(layout
         assert await lmdb.contains(cache.keys(older)) == [True] * 4
         assert await lmdb.contains(cache.keys(ended)) == [False] * 4
         assert await lmdb.contains(cache.keys(new)) == [True] * 4
+
+
+async def test_the_hint_reaches_a_shared_pool_for_every_process(layout, tmp_path):
+    from kvtiers.tiers import _chunk_format as fmt
+
+    value_bytes = fmt.value_bytes(
+        layout.fingerprint, layout.chunk_bytes, num_layers=layout.num_layers
+    )
+    config = make_config(dram_chunks=8)
+    config["tiers"].append(
+        {"kind": "remote", "url": f"file://{tmp_path}/pool", "capacity": 8 * value_bytes}
+    )
+    older, ended, new = conversation(1), conversation(2), conversation(3)
+    async with TieredCache.from_config(config) as one:
+        await one.store(older, make_kv(layout, len(older), seed=1))
+        await one.store(ended, make_kv(layout, len(ended), seed=2), keep_tokens=0)
+        await one.flush()  # written through; closing writes its access log
+    async with TieredCache.from_config(config) as two:  # another process, on the same pool
+        await two.store(new, make_kv(layout, len(new), seed=3))
+        await two.flush()
+        pool = two.tiers[1]
+        # Without the hint the pool would have evicted `older`, its oldest objects.
+        assert await pool.contains(two.keys(older)) == [True] * 4
+        assert await pool.contains(two.keys(ended)) == [False] * 4
+        assert await pool.contains(two.keys(new)) == [True] * 4

@@ -57,6 +57,9 @@ class TierTests:
     """The layout of the chunks the tests store."""
     atomic_batches: ClassVar[bool] = False
     """Whether a `put` batch is all or nothing (one transaction), also when cancelled."""
+    evicts_cold_first: ClassVar[bool] = False
+    """Whether the tier evicts by itself, least recently used, and takes the entries put
+    cold (`put_hinted`) first."""
 
     async def make_tier(self, tmp_path: Path, layout: KVLayout, capacity_bytes: int) -> Tier:
         """Return a new, unopened tier of the class under test.
@@ -142,6 +145,28 @@ class TierTests:
         for src, dst in zip(srcs, dsts, strict=True):
             assert np.array_equal(src, dst)
         assert await tier.put_hinted([], [], cold=()) == []
+
+    async def test_entries_put_cold_are_evicted_first(self, tmp_path: Path) -> None:
+        if not self.evicts_cold_first:
+            pytest.skip("the tier takes no reuse hint: put_hinted is its put")
+        a, b, c = self.keys(2), self.keys(2, seed=1), self.keys(2, seed=2)
+        d, e, f = (self.keys(1, seed=n) for n in (3, 4, 5))
+        async with self.open_tier(tmp_path, num_chunks=4) as tier:
+            await tier.put(a, self.payloads(2))
+            await tier.put(b[:1], self.payloads(1))
+            # b's second chunk is new and cold; its first, held already, is touched as always.
+            assert await tier.put_hinted(b, self.payloads(2), cold=set(b)) == [True, True]
+            await tier.put(c[:1], self.payloads(1))  # evicts the cold chunk, not a's older ones
+            assert await tier.contains([*a, *b, c[0]]) == [True, True, True, False, True]
+            # A cold entry still takes room (a's deepest, the oldest entry), and goes first.
+            assert await tier.put_hinted(c, self.payloads(2), cold={c[1]}) == [True, True]
+            await tier.put(d, self.payloads(1))
+            assert await tier.contains([*a, *b, *c]) == [True, False, True, False, True, False]
+            # A read makes a cold entry warm: the oldest warm one goes instead.
+            assert await tier.put_hinted(e, self.payloads(1), cold=set(e)) == [True]  # a[0] goes
+            assert await tier.get(e, self.dsts(1)) == [True]
+            await tier.put(f, self.payloads(1))
+            assert await tier.contains([a[0], b[0], e[0]]) == [False, False, True]
 
     async def test_roundtrip_strided(self, tier: Tier) -> None:
         keys, srcs = self.keys(4), self.payloads(4)

@@ -10,8 +10,9 @@ it gone.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvtiers.core.keys import ChunkKey
 
@@ -28,20 +29,35 @@ class KnownChunks:
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self._keys: OrderedDict[ChunkKey, None] = OrderedDict()  # least recent first
+        self._cold: OrderedDict[ChunkKey, None] = OrderedDict()  # put cold, oldest first
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._keys) + len(self._cold)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._keys or key in self._cold
 
     def add(self, key: ChunkKey) -> None:
         """Record `key` as stored; a new key becomes the most recent."""
-        self._keys[key] = None
+        if key not in self._cold:
+            self._keys[key] = None
+
+    def settle(self, keys: Sequence[ChunkKey], cold: Collection[ChunkKey]) -> None:
+        """Make a batch's known `keys` (prefix first) the most recent, the prefix first.
+
+        Those among `cold` (put with no reuse expected) become the newest cold chunks
+        instead, the last one first: cold chunks are evicted before all others until read.
+        """
+        for key in reversed(keys):
+            if key in self:
+                self._keys.pop(key, None)
+                self._cold.pop(key, None)
+                (self._cold if key in cold else self._keys)[key] = None
 
     def forget(self, key: ChunkKey) -> None:
         """Drop `key` from the record, if it is there."""
         self._keys.pop(key, None)
+        self._cold.pop(key, None)
 
     def note_reads(self, keys: Sequence[ChunkKey], hits: Sequence[bool]) -> None:
         """Record a read: each hit becomes the most recent, each miss is forgotten.
@@ -50,33 +66,38 @@ class KnownChunks:
         least recent are then forgotten (not evicted: they stay in the pool).
         """
         for key, hit in zip(keys, hits, strict=True):
+            self._cold.pop(key, None)
             if hit:
                 self._keys[key] = None
                 self._keys.move_to_end(key)
             else:
                 self._keys.pop(key, None)
-        while len(self._keys) > self.max_entries:  # others' chunks read: forget the oldest
-            self._keys.popitem(last=False)
+        while len(self) > self.max_entries:  # others' chunks read: forget the oldest
+            (self._cold or self._keys).popitem(last=False)
 
     def admit(
         self, order: Sequence[ChunkKey], held: dict[ChunkKey, bool]
     ) -> tuple[list[ChunkKey], list[ChunkKey]]:
         """Plan a `put` of the distinct keys `order`: what to write, and what to evict.
 
-        Each key of `order` that is known is set in `held` and becomes the most recent.
+        Each key of `order` that is known is set in `held` and becomes the most recent
+        (cold no more).
 
         Returns:
             The keys to write (the new ones that fit, in order) and the known keys to
             evict to make room for them (least recent first, none of the batch's).
         """
         for key in order:
-            if key in self._keys:
+            if key in self:
                 held[key] = True
+                self._cold.pop(key, None)
+                self._keys[key] = None
                 self._keys.move_to_end(key)
         # NOTE: the batch's known chunks stay; once a new one does not fit, no deeper
         # one is stored without it.
         new = [key for key in order if not held[key]]
         new = new[: max(0, self.max_entries - (len(order) - len(new)))]
-        excess = len(self._keys) + len(new) - self.max_entries
-        victims = [key for key in self._keys if key not in held][: max(0, excess)]
+        excess = len(self) + len(new) - self.max_entries
+        known = itertools.chain(self._cold, self._keys)
+        victims = [key for key in known if key not in held][: max(0, excess)]
         return new, victims

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtiers.core.errors import ConfigError
 from kvtiers.tiers._cancellation import wait_out
 from kvtiers.tiers._pool_options import MooncakeOptions
 
@@ -37,6 +38,7 @@ __all__ = [
     "Staging",
     "StoreCalls",
     "StoreFailed",
+    "client_classes",
     "setup_client",
 ]
 
@@ -215,6 +217,22 @@ def setup_client(store: Any, options: MooncakeOptions, buffer_size: int, staging
     if code != 0:
         store.close()
         raise StoreFailed(f"registering the staging buffer failed with code {code}")
+
+
+def client_classes(where: str) -> tuple[Any, Any]:
+    """Return the Mooncake client's store class and its replication-config class.
+
+    Raises:
+        ConfigError: the client is not installed (`where` names the tier's `kind`).
+    """
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:
+        raise ConfigError(
+            f"{where}.kind: the mooncake tier needs the Mooncake client: pip install "
+            f"'kvtiers[mooncake]', and on Debian apt-get install libibverbs1 ({exc})"
+        ) from exc
+    return MooncakeDistributedStore, ReplicateConfig
 
 
 def bind_tcp(options: MooncakeOptions) -> None:

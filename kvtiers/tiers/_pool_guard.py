@@ -111,6 +111,13 @@ class FullEpisodes:
             self.active = False
             logger.debug("kvtiers: %s: the pool takes writes again", self._what)
 
+    def note(self, num_refused: int, num_took: int, why: str) -> None:
+        """Note what one call's writes got: refusals (saying `why`), else any it took."""
+        if num_refused:
+            self.refused(num_refused, why)
+        elif num_took:
+            self.took()
+
 
 class StoreGuard:
     """Run a tier's requests to its store under a slot limit, a timeout and a breaker.

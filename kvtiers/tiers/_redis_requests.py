@@ -8,7 +8,7 @@ Errors propagate to the caller, which runs every request behind the tier's `Stor
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from kvtiers.core.keys import ChunkKey
 from kvtiers.tiers._redis_answers import read_answers
 from kvtiers.tiers._redis_layers import LayerRanges, Ranged
-from kvtiers.tiers._redis_scripts import PUT_SCRIPT, TOUCH_SCRIPT
+from kvtiers.tiers._redis_scripts import COLD_SHIFT, PUT_SCRIPT, TOUCH_SCRIPT
 from kvtiers.tiers._remote_layers import LayerPlan
 
 __all__ = ["RedisRequests"]
@@ -111,15 +111,21 @@ class RedisRequests:
         return self._ranges.split(reads, plan, planned), _count(rest) if touch else None
 
     async def write(
-        self, keys: Sequence[ChunkKey], values: Sequence[bytes], max_entries: int
+        self,
+        keys: Sequence[ChunkKey],
+        values: Sequence[bytes],
+        max_entries: int,
+        cold: Collection[bytes] = (),
     ) -> tuple[list[bool], int, list[ChunkKey]]:
         """Store values with one script call (`_redis_scripts.PUT_SCRIPT`).
 
-        Returns which keys are held after it, the recency set's size, and the chunks the
-        script evicted.
+        The new chunks among `cold` go first in line for eviction. Returns which keys are
+        held after it, the recency set's size, and the chunks the script evicted.
         """
         names = [self.name(key) for key in keys]
-        argv = (repr(time.time()), max_entries, self.ttl_ms)
+        now = time.time()
+        flags = "".join("1" if key in cold else "0" for key in keys)
+        argv = (repr(now), max_entries, self.ttl_ms, repr(now - COLD_SHIFT), flags)
         out = await self.redis.eval(PUT_SCRIPT, len(names) + 1, self.lru, *names, *argv, *values)
         held = [bool(int(x)) for x in out[: len(keys)]]
         evicted = [ChunkKey(bytes(n)[len(self.chunk_prefix) :]) for n in out[len(keys) + 1 :]]

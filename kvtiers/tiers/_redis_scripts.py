@@ -2,23 +2,38 @@
 
 Each runs atomically on the server. Both take the tier's recency set (a sorted set of
 chunk keys, each scored by the time of its last write or read) as KEYS[1], then chunk keys.
+A chunk written cold (a reuse hint: none expected) and not read since is scored by its
+write's time less `COLD_SHIFT`, so it sorts before every other (oldest first) and its
+time is still known for the ttl.
 """
 
 from __future__ import annotations
 
-__all__ = ["PUT_SCRIPT", "TOUCH_SCRIPT"]
+__all__ = ["COLD_SHIFT", "PUT_SCRIPT", "TOUCH_SCRIPT"]
+
+COLD_SHIFT = 2**33
+"""Seconds taken off a cold chunk's score: every cold score is below zero until 2242."""
 
 # KEYS[1]: the recency set; KEYS[2..]: chunk keys. ARGV[1]: now (seconds); ARGV[2]: the most
-# entries the capacity holds; ARGV[3]: ttl in ms (0: none); ARGV[4..]: the values, aligned.
+# entries the capacity holds; ARGV[3]: ttl in ms (0: none); ARGV[4]: now less COLD_SHIFT;
+# ARGV[5]: one "1" (cold) or "0" per chunk key; ARGV[6..]: the values, aligned.
 # Returns a 0/1 per key (held after the call), the set's size, then the names it evicted
-# (by capacity, or listed in the set past their ttl).
+# (by capacity, or listed in the set past their ttl). The batch's scores step down by a
+# microsecond per key, so a prefix is more recent than its suffix; NOTE: they are written
+# with 17 digits, since Lua prints a number with 14 (a tenth of a millisecond here).
 PUT_SCRIPT = """
 local zset, now, limit, ttl = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local evicted = {}
+local cold_now, evicted = tonumber(ARGV[4]), {}
+local function score(base, i)
+  return string.format('%.17g', base + (#KEYS - i) * 0.000001)
+end
 if ttl > 0 then
-  local cutoff = '(' .. (now - ttl / 1000)
-  evicted = redis.call('ZRANGEBYSCORE', zset, '-inf', cutoff)
-  redis.call('ZREMRANGEBYSCORE', zset, '-inf', cutoff)
+  local cutoff = now - ttl / 1000
+  for _, low in ipairs({{'0', cutoff}, {'-inf', cutoff - 8589934592}}) do  -- COLD_SHIFT
+    local past = redis.call('ZRANGEBYSCORE', zset, low[1], '(' .. low[2])
+    redis.call('ZREMRANGEBYSCORE', zset, low[1], '(' .. low[2])
+    for _, name in ipairs(past) do evicted[#evicted + 1] = name end
+  end
 end
 local count = redis.call('ZCARD', zset)
 local out, full = {}, false
@@ -26,7 +41,7 @@ for i = 2, #KEYS do
   local key, held = KEYS[i], 0
   local known = redis.call('ZSCORE', zset, key)
   if known and redis.call('EXISTS', key) == 1 then
-    redis.call('ZADD', zset, ARGV[1], key)
+    redis.call('ZADD', zset, score(now, i), key)
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
     held = 1
   elseif not full then
@@ -36,7 +51,8 @@ for i = 2, #KEYS do
     end
     while count >= limit do
       local oldest = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
-      if #oldest == 0 or tonumber(oldest[2]) >= now then
+      local age = #oldest > 0 and tonumber(oldest[2])
+      if not age or age >= now or (age >= cold_now and age < cold_now + #KEYS * 0.000001) then
         full = true
         break
       end
@@ -47,11 +63,12 @@ for i = 2, #KEYS do
     end
     if not full then
       if ttl > 0 then
-        redis.call('SET', key, ARGV[i + 2], 'PX', ttl)
+        redis.call('SET', key, ARGV[i + 4], 'PX', ttl)
       else
-        redis.call('SET', key, ARGV[i + 2])
+        redis.call('SET', key, ARGV[i + 4])
       end
-      redis.call('ZADD', zset, ARGV[1], key)
+      local cold = string.sub(ARGV[5], i - 1, i - 1) == '1'
+      redis.call('ZADD', zset, score(cold and cold_now or now, i), key)
       count, held = count + 1, 1
     end
   end

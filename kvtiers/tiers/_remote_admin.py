@@ -1,7 +1,7 @@
 """Listing and purging a remote tier's pool, for `kvtiers remote ls` and `purge`.
 
 Neither opens the tier itself: opening runs a scan that evicts and expires, and `ls` must
-change nothing. Both read the same layout as the tier (see `_remote_catalog`).
+change nothing. Both read the same layout as the tier (see `_remote_catalog` and `_remote_access`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,9 @@ from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import ConfigError, TierIOError
 from kvtiers.core.layout import KVLayout
 from kvtiers.tiers import _layout_record as layout_record
+from kvtiers.tiers._remote_access import AccessLog, read_logs, scan
 from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
-from kvtiers.tiers._remote_catalog import (
-    AccessLog,
-    Listing,
-    StoredObject,
-    classify,
-    read_logs,
-    scan,
-)
+from kvtiers.tiers._remote_catalog import Listing, StoredObject, classify
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_options import RemoteOptions
 

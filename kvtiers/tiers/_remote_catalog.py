@@ -1,4 +1,4 @@
-"""What the remote tier knows of its namespace: object names, recency, and scans.
+"""What the remote tier knows of its namespace: object names, listings, its catalog.
 
 A namespace is `<root>/<layout fingerprint hex>`. Below it:
 
@@ -6,65 +6,36 @@ A namespace is `<root>/<layout fingerprint hex>`. Below it:
 - `<key[:2] hex>/.<key hex>.<random>.tmp` (and `._layout.<random>.tmp`): a write in
   progress on a filesystem that renames (local); a scan deletes those left behind by a
   crash after an hour;
-- `_access/<writer id>`: one access log per process (see `AccessLog`);
+- `_access/<writer id>`: one access log per process (see `_remote_access`);
 - `_layout`: the layout's record, a label for `kvtiers inspect` (see `_layout_record`).
-
-Recency (the "last access" LRU and the TTL act on) is shared through the access logs: each
-process records the chunks it reads in memory and writes its own log object now and then
-(on scans and on close). A log has one writer, so no two processes ever write one object,
-and no read-modify-write race exists; a scan merges every log with the objects' own
-modification times (their last write). Listing alone would only know writes, so a chunk
-read all day on other nodes but written once would look old.
-
-A log is trusted only so far: one over `MAX_LOG_BYTES` or not in the format is no log (its
-records are ignored), and no access counts as later than `CLOCK_SLACK` after the log's own
-modification time, so a node whose clock runs ahead (or a damaged log) cannot keep chunks
-young forever.
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
+import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
-
-import msgpack
+from typing import Any
 
 from kvtiers.tiers import _layout_record as layout_record
 
-if TYPE_CHECKING:
-    from kvtiers.tiers._remote_io import ObjectStore
-
 __all__ = [
     "ACCESS_DIR",
-    "CLOCK_SLACK",
-    "MAX_LOG_BYTES",
-    "AccessLog",
+    "TIE",
     "Catalog",
     "Listing",
     "StoredObject",
     "classify",
     "modified_time",
     "object_path",
-    "read_logs",
-    "scan",
 ]
 
 ACCESS_DIR = "_access"
-_LOG_MAGIC = b"KVTA"
-_LOG_VERSION = 1
-_MAX_LOG_ENTRIES = 100_000  # the oldest go first; a log stays a few MiB at most
-MAX_LOG_BYTES = 8 << 20
-"""Bytes of the longest access log read (this process's own stay under 3 MiB)."""
-CLOCK_SLACK = 300.0
-"""Seconds an access in a log may postdate the log's modification time: nodes' clocks
-differ a little from the store's, and S3 keeps whole seconds only."""
-_TIE = 1e-6  # seconds between chunks of one batch, so a prefix is more recent than its suffix
+TIE = 1e-6
+"""Seconds between the chunks of one batch, so a prefix is more recent than its suffix."""
 _OBJECT = re.compile(r"([0-9a-f]{4})/([0-9a-f]{32})")
 _TEMP = re.compile(
     rf"(?:[0-9a-f]{{4}}/\.[0-9a-f]{{32}}|\.{re.escape(layout_record.REMOTE_NAME)})\.[0-9a-f]+\.tmp"
@@ -103,6 +74,8 @@ class StoredObject:
     """Its last write, Unix seconds."""
     last_access: float
     """Its last read or write by any process whose access log was read, Unix seconds."""
+    cold: bool = False
+    """It was written cold (no reuse expected) and no log records a read since."""
 
 
 @dataclass(slots=True)
@@ -152,130 +125,6 @@ def classify(namespace: str, found: Mapping[str, Mapping[str, Any]]) -> Listing:
     return listing
 
 
-class AccessLog:
-    """This process's record of the chunks it read, shared through one object per process.
-
-    The object is msgpack `[b"KVTA", 1, {key: last access in Unix seconds}]`.
-    """
-
-    def __init__(self) -> None:
-        self.times: dict[bytes, float] = {}
-        self.dirty = False  # changed since it was last written
-
-    def record(self, keys: Sequence[bytes], now: float) -> None:
-        """Record reads of `keys` (prefix first) at `now`; the prefix counts as more recent."""
-        n = len(keys)
-        for i, key in enumerate(keys):
-            self.times.pop(key, None)  # re-inserted last: the dict stays oldest-first
-            self.times[key] = now + (n - 1 - i) * _TIE
-        self.dirty = self.dirty or n > 0
-        while len(self.times) > _MAX_LOG_ENTRIES:
-            del self.times[next(iter(self.times))]
-
-    def forget(self, keys: Iterable[bytes]) -> None:
-        """Drop the records of `keys` (deleted objects)."""
-        for key in keys:
-            self.times.pop(key, None)
-
-    def prune(self, before: float) -> None:
-        """Drop the records older than `before`."""
-        for key in [k for k, t in self.times.items() if t < before]:
-            del self.times[key]
-
-    def encode(self) -> bytes:
-        """Return the log's object."""
-        data: bytes = msgpack.packb([_LOG_MAGIC, _LOG_VERSION, self.times], use_bin_type=True)
-        return data
-
-    @staticmethod
-    def decode(raw: bytes, written: float = math.inf) -> dict[bytes, float]:
-        """Return the records of a log object; empty if it is not one.
-
-        Args:
-            raw: the object.
-            written: its modification time; a record more than `CLOCK_SLACK` later
-                counts as made `CLOCK_SLACK` after it.
-        """
-        if len(raw) > MAX_LOG_BYTES:
-            return {}
-        try:
-            magic, version, times = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        except (ValueError, TypeError, msgpack.UnpackException):
-            return {}
-        if magic != _LOG_MAGIC or version != _LOG_VERSION or not isinstance(times, dict):
-            return {}
-        return {
-            k: min(float(t), written + CLOCK_SLACK)
-            for k, t in times.items()
-            if isinstance(k, bytes)
-            and isinstance(t, int | float)
-            and not isinstance(t, bool)
-            and math.isfinite(t)
-        }
-
-    @staticmethod
-    def merge(listing: Listing, logs: Iterable[Mapping[bytes, float]]) -> None:
-        """Raise each object's last access in `listing` to the latest time in `logs`."""
-        for times in logs:
-            for key, when in times.items():
-                obj = listing.objects.get(key)
-                if obj is not None and when > obj.last_access:
-                    listing.objects[key] = StoredObject(
-                        obj.key, obj.path, obj.size, obj.modified, when
-                    )
-
-
-async def scan(
-    store: ObjectStore,
-    namespace: str,
-    own: AccessLog | None = None,
-    *,
-    retries: int | None = None,
-    logs: bool = True,
-) -> Listing:
-    """List `namespace` and merge every access log into the objects' last access.
-
-    Args:
-        store: the store to list.
-        namespace: `<root>/<fingerprint hex>`.
-        own: this process's log, whose latest records may not be written yet.
-        retries: retries of the listing after a failure, instead of the configured number.
-        logs: read the access logs; without them last access is the last write.
-
-    Raises:
-        StoreUnavailable: the listing or a log could not be read; nothing is half-merged.
-    """
-    listing = classify(namespace, await store.find(namespace, retries=retries))
-    if not logs:
-        return listing
-    records = await read_logs(store, listing)
-    if own is not None:
-        records.append(own.times)
-    AccessLog.merge(listing, records)
-    return listing
-
-
-async def read_logs(store: ObjectStore, listing: Listing) -> list[dict[bytes, float]]:
-    """Read and decode the access logs of `listing` (at most `MAX_LOG_BYTES` of each).
-
-    Raises:
-        StoreUnavailable: a log could not be read (once every read has ended).
-    """
-    paths = list(listing.access_logs)
-    raws = await asyncio.gather(
-        *(store.cat(path, MAX_LOG_BYTES + 1) for path in paths), return_exceptions=True
-    )  # NOTE: every read ends before an error is raised
-    for raw in raws:
-        if isinstance(raw, BaseException):
-            raise raw
-    # NOTE: a store that gives no modification time (0) leaves the records as they are.
-    return [
-        AccessLog.decode(raw, listing.access_logs[path] or math.inf)
-        for path, raw in zip(paths, raws, strict=True)
-        if isinstance(raw, bytes)
-    ]
-
-
 _CHANGES_KEPT = 65_536  # keys whose last change a check in flight compares against
 
 
@@ -290,11 +139,13 @@ class Catalog:
 
     Filled by scans and kept current by this process's own reads, writes and deletes;
     objects other processes write or delete are learnt at the next scan, or when a read
-    or `contains` meets them.
+    or `contains` meets them. Cold objects (written with no reuse expected, not read
+    since) come before all others, oldest write first.
     """
 
     def __init__(self) -> None:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._cold: OrderedDict[bytes, _Entry] = OrderedDict()
         self.used_bytes = 0
         self.changes = 0
         """Objects added or removed so far: a check of the store notes it as it begins."""
@@ -303,15 +154,19 @@ class Catalog:
         """Per key changed lately, `changes` just after its last change."""
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._cold)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._entries or key in self._cold
 
     def size_of(self, key: bytes) -> int | None:
         """Return the size of `key`'s object, `None` if unknown."""
-        entry = self._entries.get(key)
+        entry = self._entries.get(key) or self._cold.get(key)
         return None if entry is None else entry.size
+
+    def is_cold(self, key: bytes) -> bool:
+        """Return whether `key`'s object is known and cold."""
+        return key in self._cold
 
     def add(self, key: bytes, size: int, now: float) -> None:
         """Record an object as present and most recently used."""
@@ -320,13 +175,30 @@ class Catalog:
         self.used_bytes += size
         self._note_change(key)
 
+    def park(self, keys: Sequence[bytes], now: float) -> None:
+        """Make the known `keys` (prefix first) the newest cold objects, the last one first.
+
+        Cold objects are evicted before all others, oldest first, until a touch.
+        """
+        n = len(keys)
+        for i in range(n - 1, -1, -1):
+            entry = self._entries.pop(keys[i], None) or self._cold.pop(keys[i], None)
+            if entry is not None:
+                entry.last_access = now + (n - 1 - i) * TIE
+                self._cold[keys[i]] = entry
+
     def touch(self, keys: Sequence[bytes], now: float) -> None:
-        """Make the known `keys` the most recently used, the last key the oldest of them."""
+        """Make the known `keys` the most recently used, the last key the oldest of them.
+
+        A cold key touched is cold no more.
+        """
         n = len(keys)
         for i in range(n - 1, -1, -1):
             entry = self._entries.get(keys[i])
+            if entry is None and (entry := self._cold.pop(keys[i], None)) is not None:
+                self._entries[keys[i]] = entry
             if entry is not None:
-                entry.last_access = now + (n - 1 - i) * _TIE
+                entry.last_access = now + (n - 1 - i) * TIE
                 self._entries.move_to_end(keys[i])
 
     def remove(self, key: bytes) -> bool:
@@ -335,7 +207,7 @@ class Catalog:
         return self._pop(key)
 
     def _pop(self, key: bytes) -> bool:
-        entry = self._entries.pop(key, None)
+        entry = self._entries.pop(key, None) or self._cold.pop(key, None)
         if entry is not None:
             self.used_bytes -= entry.size
         return entry is not None
@@ -374,21 +246,28 @@ class Catalog:
         meanwhile stays as it is (the listing may predate the change), the most recent.
         """
         changed = self._changed
-        recent = {k: e for k, e in self._entries.items() if changed.get(k, 0) > since}
+        recent = [
+            (k, e, table is self._cold)
+            for table in (self._cold, self._entries)
+            for k, e in table.items()
+            if changed.get(k, 0) > since
+        ]
         self._entries.clear()
+        self._cold.clear()
         self.used_bytes = 0
         for obj in sorted(objects, key=lambda o: o.last_access):
             if changed.get(obj.key, 0) <= since:
-                self._entries[obj.key] = _Entry(obj.size, obj.last_access)
+                table = self._cold if obj.cold else self._entries
+                table[obj.key] = _Entry(obj.size, obj.last_access)
                 self.used_bytes += obj.size
-        for key, entry in recent.items():
-            self._entries[key] = entry
+        for key, entry, cold in recent:
+            (self._cold if cold else self._entries)[key] = entry
             self.used_bytes += entry.size
 
     def victims(self, need: int, capacity: int, keep: set[bytes]) -> list[bytes]:
-        """Return the least recently used keys to delete so that `need` more bytes fit."""
+        """Return the keys to delete, cold then least recently used, so `need` more fit."""
         victims, freed = [], 0
-        for key, entry in self._entries.items():
+        for key, entry in itertools.chain(self._cold.items(), self._entries.items()):
             if self.used_bytes - freed + need <= capacity:
                 break
             if key not in keep:

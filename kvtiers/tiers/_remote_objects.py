@@ -19,8 +19,9 @@ from kvtiers.core.keys import ChunkKey
 from kvtiers.core.stats import TierCounters
 from kvtiers.tiers._chunk_format import Header, Verdict
 from kvtiers.tiers._read_buffers import ReadBuffers
+from kvtiers.tiers._remote_access import AccessLog
 from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
-from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path
+from kvtiers.tiers._remote_catalog import Catalog, object_path
 from kvtiers.tiers._remote_codec import ObjectCodec
 from kvtiers.tiers._remote_deadline import Stragglers
 from kvtiers.tiers._remote_io import ObjectStore

@@ -1,7 +1,7 @@
 """The remote tier's scans: when they run, the access log they write, what they delete.
 
 A scan writes this process's access log if it changed, lists the namespace with every
-process's log merged in (`_remote_catalog.scan`), and deletes what is past its time: objects
+process's log merged in (`_remote_access.scan`), and deletes what is past its time: objects
 idle for longer than `ttl`, temporaries left by a crashed write, and the access logs of
 processes long gone. The tier then refills its catalog from what is left and evicts what
 is over its capacity (see the `remote` module docstring for why scans exist at all).
@@ -21,15 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtiers.core.stats import TierCounters
+from kvtiers.tiers._remote_access import AccessLog, scan
 from kvtiers.tiers._remote_breaker import StoreUnavailable, gather_all
-from kvtiers.tiers._remote_catalog import (
-    ACCESS_DIR,
-    AccessLog,
-    Catalog,
-    Listing,
-    StoredObject,
-    scan,
-)
+from kvtiers.tiers._remote_catalog import ACCESS_DIR, Catalog, Listing, StoredObject
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_options import RemoteOptions
 

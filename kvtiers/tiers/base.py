@@ -202,7 +202,8 @@ class Tier(ABC):
         """Store as `put` does; no reuse is expected of the new entries among `cold`.
 
         A reuse hint (`TieredCache.store`'s `keep_tokens`): a tier that evicts by itself
-        may evict those entries first (the lmdb tier does). By default the hint is ignored.
+        may evict those entries first, until they are read (the lmdb, remote, redis and
+        mooncake tiers do). By default the hint is ignored.
         """
         return await self.put(keys, srcs)
 

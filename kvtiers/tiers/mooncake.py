@@ -20,7 +20,8 @@ The store's semantics, and what the tier makes of them:
   value) is declined and counted (`io_counters.full`), not a failure: reads go on.
 
 Capacity bounds the chunks this process knows to be in the pool (its writes and its hits),
-least recently used first (`_mooncake_catalog`); the pool's real bound is the memory its
+least recently used first, those put cold (`put_hinted`) before all others until read
+(`_mooncake_catalog`); the pool's real bound is the memory its
 segments lend, beyond which the store evicts by itself. Since the store drops objects
 without notice, a `put` asks the store about the batch's known chunks before it reports
 them held, and writes again those it no longer has. `close` waits for the calls in flight.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from kvtiers.tiers._mooncake_io import (
     StoreCalls,
     StoreFailed,
     bind_tcp,
+    client_classes,
     setup_client,
 )
 from kvtiers.tiers._pool_guard import (
@@ -121,23 +123,16 @@ class MooncakeTier(PoolTier):
 
     async def _open(self) -> None:
         # docstring inherited
-        try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-        except ImportError as exc:
-            raise ConfigError(
-                f"{self.config.where}.kind: the mooncake tier needs the Mooncake client: pip "
-                f"install 'kvtiers[mooncake]', and on Debian apt-get install libibverbs1 ({exc})"
-            ) from exc
-
+        store_class, replicate_class = client_classes(self.config.where)
         options = self.options
         bind_tcp(options)
         self._calls = StoreCalls(
             options.max_in_flight + 1, options.timeout, f"kvtiers-mooncake-{self.name}"
         )
         self._staging = Staging(options.max_in_flight, self._per_call, self.value_bytes)
-        self._replicate = ReplicateConfig()
+        self._replicate = replicate_class()
         self._replicate.replica_num = options.replicas
-        self._new_client = MooncakeDistributedStore
+        self._new_client = store_class
         await self._client()
 
     async def _client(self) -> Any:
@@ -260,6 +255,13 @@ class MooncakeTier(PoolTier):
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
+        return await self.put_hinted(keys, srcs, ())
+
+    async def put_hinted(
+        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], cold: Collection[ChunkKey]
+    ) -> list[bool]:
+        # docstring inherited
+        cold = frozenset(cold)
         with self._running():
             check_keys(keys)
             self._check_buffers(keys, srcs)
@@ -273,6 +275,8 @@ class MooncakeTier(PoolTier):
                     self._note_evicted(victims)
                     await self._remove(victims)
                 await self._put_new(new, plan.sources, held)
+                parked = cold.intersection(new) if cold else ()
+                self._catalog.settle([key for key in order if held[key]], parked)
             self.counters.declined += plan.num_declined
             return plan.results(keys)
 
@@ -334,7 +338,9 @@ class MooncakeTier(PoolTier):
                 self._catalog.add(key)
             self.counters.puts += len(stored)
             self.counters.bytes_written += len(stored) * self.layout.chunk_bytes
-            self._note_room(codes.count(NO_SPACE), bool(stored))
+            refused = codes.count(NO_SPACE)
+            why = f"the pool of {self._guard.where} has no room for {refused} chunk(s)"
+            self._full.note(refused, len(stored), f"{why} of {self.value_bytes} bytes")
 
         async with self._staging.region(self.options.timeout) as region:
             for i, key in enumerate(keys):
@@ -352,14 +358,6 @@ class MooncakeTier(PoolTier):
                 on_done=record,
                 answers=(NOT_FOUND, TOO_LARGE, NO_SPACE),  # a full pool is not failing
             )
-
-    def _note_room(self, num_refused: int, stored: bool) -> None:
-        """Count writes the pool refused for lack of space (`FullEpisodes`)."""
-        if num_refused:
-            why = f"the pool of {self._guard.where} has no room for {num_refused} chunk(s)"
-            self._full.refused(num_refused, f"{why} of {self.value_bytes} bytes")
-        elif stored:
-            self._full.took()
 
     async def _remove(self, keys: Sequence[ChunkKey]) -> None:
         """Remove `keys` from the store (forced: leases do not hold it up)."""

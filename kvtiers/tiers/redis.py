@@ -9,7 +9,8 @@ process: a sorted set `<prefix>:<fingerprint hex>:lru` holds each chunk key with
 of its last write or read. A `put` runs one Lua script per batch (`_redis_scripts`), which
 writes the values, records them, and evicts the oldest entries past the capacity,
 atomically; a chunk that does not fit without evicting one of the batch's own chunks is
-declined, and so is every deeper one. A `get` is one pipeline: the GETs and a script that
+declined, and so is every deeper one. Chunks put cold (`put_hinted`: no reuse expected)
+are scored to go before all others until read. A `get` is one pipeline: the GETs and a script that
 touches the hits. Since every value of a layout has the same size, the set's cardinality
 is the usage. The server's own `maxmemory` eviction may still drop values (a miss); the
 set then forgets them on the next write of the key or by age.
@@ -26,7 +27,7 @@ proxy that keeps one layout's keys on one shard), not Redis Cluster.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -254,6 +255,13 @@ class RedisTier(PoolTier):
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
+        return await self.put_hinted(keys, srcs, ())
+
+    async def put_hinted(
+        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], cold: Collection[ChunkKey]
+    ) -> list[bool]:
+        # docstring inherited
+        cold = frozenset(cold)
         with self._running():
             check_keys(keys)
             self._check_buffers(keys, srcs)
@@ -262,7 +270,8 @@ class RedisTier(PoolTier):
             for start in range(0, len(order), per_call):
                 batch = order[start : start + per_call]
                 try:
-                    results = await self._guard.call(functools.partial(self._write, batch, sources))
+                    write = functools.partial(self._write, batch, sources, cold)
+                    results = await self._guard.call(write)
                 except StoreUnavailable as exc:
                     self.counters.fail(timed_out=exc.timed_out)
                     self._guard.counters.dropped_writes += len(order) - start
@@ -273,11 +282,14 @@ class RedisTier(PoolTier):
             self.counters.declined += plan.num_declined
             return plan.results(keys)
 
-    async def _write(self, keys: Sequence[ChunkKey], sources: dict[ChunkKey, Buffer]) -> list[bool]:
+    async def _write(
+        self, keys: Sequence[ChunkKey], sources: dict[ChunkKey, Buffer], cold: frozenset[bytes]
+    ) -> list[bool]:
         """Store `keys` with one script call; return which are held after it."""
         values = [self._pack(key, sources[key]) for key in keys]
         try:
-            held, self._num_entries, evicted = await self._io.write(keys, values, self.max_entries)
+            answer = await self._io.write(keys, values, self.max_entries, cold)
+            held, self._num_entries, evicted = answer
         except OutOfMemoryError as exc:  # an answer, not a failure: reads still work
             self._out_of_memory(len(keys), exc)
             return [False] * len(keys)

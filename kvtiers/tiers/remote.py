@@ -12,10 +12,12 @@ makes atomic. Two processes writing one chunk therefore leave one valid object.
 Eviction is least recently used by last access, by the tier itself (`manages_eviction`):
 no single process sees every read. Each process keeps a catalog of the objects it knows
 (filled by a scan: one listing of the namespace plus every process's access log, see
-`_remote_catalog`) and evicts from it when a `put` would exceed the capacity. Scans run at
-open and then at most every `scan_interval` seconds, from `put` (the background write path,
-never a load); a scan also deletes objects idle for longer than `ttl`, and evicts what
-other processes' writes pushed over the capacity. A listing alone would only know writes;
+`_remote_catalog`, `_remote_access`) and evicts from it when a `put` would exceed the
+capacity. Objects written cold (`put_hinted`: no reuse expected) go first, in every
+process, until someone reads them. Scans run at open and then at most every
+`scan_interval` seconds, from `put` (the background write path, never a load); a scan also
+deletes objects idle for longer than `ttl`, and evicts what other processes' writes
+pushed over the capacity. A listing alone would only know writes;
 a shared index object would need read-modify-write across nodes, which object stores cannot
 do safely, so each process writes only its own small access log.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -44,8 +46,9 @@ from kvtiers.tiers._chunk_format import Verdict
 from kvtiers.tiers._pool_guard import check_keys
 from kvtiers.tiers._read_buffers import ReadBuffers
 from kvtiers.tiers._readahead import HINT_AHEAD, HINT_MIN_BYTES, ahead_of
+from kvtiers.tiers._remote_access import AccessLog
 from kvtiers.tiers._remote_breaker import IOCounters, StoreUnavailable, gather_all, health_of
-from kvtiers.tiers._remote_catalog import AccessLog, Catalog, object_path
+from kvtiers.tiers._remote_catalog import Catalog, object_path
 from kvtiers.tiers._remote_codec import ObjectCodec
 from kvtiers.tiers._remote_io import ObjectStore
 from kvtiers.tiers._remote_layers import LayerPlan
@@ -240,6 +243,12 @@ class RemoteTier(Tier):
 
     async def put(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
+        return await self.put_hinted(keys, srcs, ())
+
+    async def put_hinted(
+        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], cold: Collection[ChunkKey]
+    ) -> list[bool]:
+        # docstring inherited
         self._ensure_open()
         check_keys(keys)
         self._check_buffers(keys, srcs)
@@ -253,9 +262,11 @@ class RemoteTier(Tier):
                 self.counters.declined += len(keys)
                 self.counters.unavailable += 1
                 return [False] * len(keys)
-            return await self._put_batch(keys, srcs)
+            return await self._put_batch(keys, srcs, frozenset(cold))
 
-    async def _put_batch(self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer]) -> list[bool]:
+    async def _put_batch(
+        self, keys: Sequence[ChunkKey], srcs: Sequence[Buffer], cold: frozenset[bytes]
+    ) -> list[bool]:
         srcs_by_key = dict(zip(keys, srcs, strict=True))
         kept: list[ChunkKey] = []
         new: list[ChunkKey] = []
@@ -281,9 +292,12 @@ class RemoteTier(Tier):
         written = await gather_all(self._objects.write(k, srcs_by_key[k], now) for k in new)
         stored = [key for key, ok in zip(new, written, strict=True) if ok]
         held_keys = {*kept, *stored}
-        held_order = [k for k in srcs_by_key if k in held_keys]  # prefix first
-        self._catalog.touch(held_order, now)
-        self._log.record(held_order, now)
+        parked = [k for k in stored if k in cold]  # prefix first, as all orders here
+        warm = [k for k in srcs_by_key if k in held_keys and k not in parked]
+        self._catalog.touch(warm, now)
+        self._log.record(warm, now)
+        self._catalog.park(parked, now)
+        self._log.park(parked, now)
         self.counters.puts += len(stored)
         self.counters.bytes_written += len(stored) * self.layout.chunk_bytes
         self.counters.declined += len(srcs_by_key) - len(held_keys)

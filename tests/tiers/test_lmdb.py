@@ -43,6 +43,7 @@ def make_config(db_path: Path | str, /, num_chunks: int = 64, **options: Any) ->
 class TestLMDBTier(TierTests):
     tier_cls = LMDBTier
     atomic_batches = True
+    evicts_cold_first = True
 
     def entry_bytes(self) -> int:
         return VALUE_BYTES
@@ -348,27 +349,6 @@ async def test_a_read_protects_from_eviction(tmp_path: Path, read_old: bool) -> 
         await tier.put(c, payloads(2))  # flushes the touch, then evicts two
         assert await tier.contains(a) == [read_old] * 2
         assert await tier.contains(b) == [not read_old] * 2
-
-
-async def test_entries_put_without_expected_reuse_are_evicted_first(tmp_path: Path) -> None:
-    a, b, c = keys(2), keys(2, seed=1), keys(2, seed=2)
-    d, e, f = (keys(1, seed=n) for n in (3, 4, 5))
-    async with LMDBTier(make_config(tmp_path / "db", num_chunks=4), SMALL_LAYOUT) as tier:
-        await tier.put(a, payloads(2))
-        await tier.put(b[:1], payloads(1))
-        # b's second chunk is new and cold; its first, held already, is touched as always.
-        assert await tier.put_hinted(b, payloads(2), cold=set(b)) == [True, True]
-        await tier.put(c[:1], payloads(1))  # evicts the cold chunk, not a's older ones
-        assert await tier.contains([*a, *b, c[0]]) == [True, True, True, False, True]
-        # A cold entry still takes room (a's deepest, the oldest entry), and goes first.
-        assert await tier.put_hinted(c, payloads(2), cold={c[1]}) == [True, True]
-        await tier.put(d, payloads(1))
-        assert await tier.contains([*a, *b, *c]) == [True, False, True, False, True, False]
-        # A read makes a cold entry warm: the oldest warm one goes instead.
-        assert await tier.put_hinted(e, payloads(1), cold=set(e)) == [True]  # a[0] goes
-        assert await tier.get(e, payloads(1)) == [True]
-        await tier.put(f, payloads(1))
-        assert await tier.contains([a[0], b[0], e[0]]) == [False, False, True]
 
 
 async def test_touches_are_flushed_on_close(tmp_path: Path) -> None:

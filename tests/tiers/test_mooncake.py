@@ -58,6 +58,7 @@ def dsts(num: int, layout: KVLayout = LAYOUT) -> list[np.ndarray]:
 
 class TestMooncakeTier(TierTests):
     tier_cls = MooncakeTier
+    evicts_cold_first = True
 
     @pytest.fixture(autouse=True)
     def _cluster(self, mooncake_cluster: MooncakeCluster) -> None:

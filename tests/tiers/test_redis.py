@@ -63,6 +63,7 @@ def dsts(num: int) -> list[np.ndarray]:
 class TestRedisTier(TierTests):
     tier_cls = RedisTier
     atomic_batches = True  # one script per batch
+    evicts_cold_first = True
 
     @pytest.fixture(autouse=True)
     def _server(self, redis_server: RedisServer) -> None:
@@ -114,6 +115,29 @@ async def test_ttl_expires_chunks_and_a_read_extends_it(redis_server: RedisServe
         await tier.put(keys(1, seed=5), payloads(1))  # the write prunes the recency set
         assert tier.usage().num_entries == 2
         assert tier.take_evicted() == [ks[1]]
+
+
+async def test_cold_chunks_expire_by_their_write_not_at_once(redis_server: RedisServer) -> None:
+    async with make_tier(redis_server.url, ttl=1.0) as tier:
+        cold, warm = keys(2), keys(2, seed=1)
+        await tier.put_hinted(cold, payloads(2), cold=set(cold))
+        await asyncio.sleep(0.2)
+        await tier.put(warm, payloads(2))  # the write prunes the recency set: nothing is past
+        assert tier.take_evicted() == [] and tier.usage().num_entries == 4
+        await asyncio.sleep(0.9)
+        await tier.put(keys(1, seed=5), payloads(1))
+        assert sorted(tier.take_evicted()) == sorted(cold)
+        assert await tier.contains([*cold, *warm]) == [False, False, True, True]
+
+
+async def test_a_batch_never_evicts_its_own_cold_chunks(redis_server: RedisServer) -> None:
+    async with make_tier(redis_server.url, num_chunks=3) as tier:
+        ks = keys(5)
+        held = await tier.put_hinted(ks, payloads(5), cold=set(ks[1:]))
+        assert held == [True, True, True, False, False]
+        assert tier.counters.evictions == 0
+        assert await tier.put_hinted(keys(1, seed=7), payloads(1), cold=set()) == [True]
+        assert await tier.contains(ks[:3]) == [True, True, False]  # the deepest cold one went
 
 
 # -- values behind kvtiers' back --------------------------------------------------------------

@@ -73,6 +73,7 @@ def object_url(tier: RemoteTier, key: bytes) -> str:
 
 class _RemoteTests(TierTests):
     tier_cls = RemoteTier
+    evicts_cold_first = True
 
     def entry_bytes(self) -> int:
         return VALUE_BYTES

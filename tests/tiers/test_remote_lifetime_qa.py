@@ -18,9 +18,10 @@ import msgpack
 import pytest
 
 from kvtiers.core.errors import ConfigError
-from kvtiers.tiers import _remote_catalog as catalog
+from kvtiers.tiers import _remote_access as access
+from kvtiers.tiers._remote_access import AccessLog
 from kvtiers.tiers._remote_admin import list_pool, purge_namespace
-from kvtiers.tiers._remote_catalog import AccessLog
+from kvtiers.tiers._remote_catalog import ACCESS_DIR
 from kvtiers.tiers._remote_options import RemoteOptions
 from tests.tiers.conftest import MotoS3
 from tests.tiers.test_remote import (
@@ -59,7 +60,7 @@ async def test_an_access_log_from_the_far_future_neither_pins_objects_nor_breaks
         fs.pipe_file(f"{tier.namespace}/_access/skewed", log_object({chunk[0]: when}))
         namespaces = await list_pool(make_config(url), LAYOUT)
         (obj,) = namespaces[0].objects
-        assert obj.last_access <= time.time() + catalog.CLOCK_SLACK
+        assert obj.last_access <= time.time() + access.CLOCK_SLACK
         tier.clock = lambda: start + 1000  # idle far longer than the TTL
         await tier.scan_now()
         assert await tier.contains(chunk) == [False]
@@ -91,13 +92,13 @@ async def test_a_huge_file_among_the_access_logs_is_not_read_whole(tmp_path: Pat
         written = time.time() - 1000
         os.utime(f"{tier.namespace}/{chunk[0][:2].hex()}/{chunk[0].hex()}", (written, written))
         when = time.time() - 5
-        log = {i.to_bytes(16, "big"): when for i in range(catalog.MAX_LOG_BYTES // 26)}
+        log = {i.to_bytes(16, "big"): when for i in range(access.MAX_LOG_BYTES // 26)}
         log[chunk[0]] = when
         huge = Path(f"{tier.namespace}/_access/huge")
         huge.parent.mkdir(parents=True, exist_ok=True)
         huge.write_bytes(log_object(log))
-        assert huge.stat().st_size > catalog.MAX_LOG_BYTES
-        listing = await catalog.scan(tier._store, tier.namespace)
+        assert huge.stat().st_size > access.MAX_LOG_BYTES
+        listing = await access.scan(tier._store, tier.namespace)
         (obj,) = listing.objects.values()
         # not a log: its record is not believed
         assert obj.last_access == pytest.approx(written, abs=1)
@@ -238,7 +239,7 @@ async def test_close_during_a_scan_still_writes_the_access_log(tmp_path: Path) -
         release.set()
         await asyncio.gather(*map(asyncio.wrap_future, busy))
     await asyncio.wait_for(asyncio.gather(scanning, closing), 30)
-    (log,) = Path(tier.namespace, catalog.ACCESS_DIR).iterdir()
+    (log,) = Path(tier.namespace, ACCESS_DIR).iterdir()
     assert set(AccessLog.decode(log.read_bytes())) == set(keys(3))
 
 
@@ -256,7 +257,7 @@ async def test_close_during_a_scan_on_s3_writes_the_log_and_closes_cleanly(
     await tier.close()
     await scanning
     fs = fsspec.filesystem("s3", **moto_s3.storage_options(shared_session=False))
-    (log,) = fs.find(f"{tier.namespace}/{catalog.ACCESS_DIR}")
+    (log,) = fs.find(f"{tier.namespace}/{ACCESS_DIR}")
     assert set(AccessLog.decode(fs.cat_file(log))) == set(keys(3))
 
 

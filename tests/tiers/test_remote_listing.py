@@ -25,9 +25,9 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from kvtiers.core.errors import TierIOError
+from kvtiers.tiers._remote_access import scan
 from kvtiers.tiers._remote_admin import list_pool, open_store, purge_namespace
 from kvtiers.tiers._remote_breaker import StoreUnavailable
-from kvtiers.tiers._remote_catalog import scan
 from tests.tiers.conftest import MotoS3
 from tests.tiers.test_remote import LAYOUT, keys, make_config, make_tier, payloads
 
