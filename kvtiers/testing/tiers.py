@@ -158,15 +158,18 @@ class TierTests:
             assert await tier.put_hinted(b, self.payloads(2), cold=set(b)) == [True, True]
             await tier.put(c[:1], self.payloads(1))  # evicts the cold chunk, not a's older ones
             assert await tier.contains([*a, *b, c[0]]) == [True, True, True, False, True]
-            # A cold entry still takes room (a's deepest, the oldest entry), and goes first.
-            assert await tier.put_hinted(c, self.payloads(2), cold={c[1]}) == [True, True]
-            await tier.put(d, self.payloads(1))
-            assert await tier.contains([*a, *b, *c]) == [True, False, True, False, True, False]
+            # A cold entry takes room only from free space and cold entries: none here.
+            assert await tier.put_hinted(c, self.payloads(2), cold={c[1]}) == [True, False]
+            await tier.put(d, self.payloads(1))  # a's deepest, the oldest entry, goes
+            found = await tier.contains([*a, *b, *c, *d])
+            assert found == [True, False, True, False, True, False, True]
             # A read makes a cold entry warm: the oldest warm one goes instead.
-            assert await tier.put_hinted(e, self.payloads(1), cold=set(e)) == [True]  # a[0] goes
+            await tier.delete(d)
+            assert await tier.put_hinted(e, self.payloads(1), cold=set(e)) == [True]
             assert await tier.get(e, self.dsts(1)) == [True]
             await tier.put(f, self.payloads(1))
-            assert await tier.contains([a[0], b[0], e[0]]) == [False, False, True]
+            found = await tier.contains([a[0], b[0], c[0], e[0], f[0]])
+            assert found == [False, True, True, True, True]
 
     async def test_roundtrip_strided(self, tier: Tier) -> None:
         keys, srcs = self.keys(4), self.payloads(4)

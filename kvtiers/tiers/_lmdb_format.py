@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _U64 = struct.Struct(">Q")  # big-endian, so the lru database iterates in sequence order
+_PARKED = _U64.pack(0)  # the sequence of entries put with no reuse expected
 _USED, _NEXT_SEQ = b"used_bytes", b"next_seq"
 _PAGE = 4096  # LMDB's page size on the common platforms
 
@@ -195,9 +196,8 @@ class Writer:
 
         A later touch (a read) gives them a sequence of their own again.
         """
-        zero = _U64.pack(0)
         for key, size in zip(keys, sizes, strict=True):
-            self._place(key, size, zero)
+            self._place(key, size, _PARKED)
 
     def _place(self, key: bytes, size: int, seq: bytes) -> None:
         """Give `key` (a value of `size` bytes) the recency `seq`."""
@@ -252,19 +252,22 @@ class Writer:
                     self.remove(key)
         return verdicts
 
-    def evict(self, need: int, keep: set[bytes], limit: int | None = None) -> None:
+    def evict(
+        self, need: int, keep: set[bytes], limit: int | None = None, *, cold_only: bool = False
+    ) -> None:
         """Remove least recently used entries until `need` more bytes fit.
 
         Args:
             need: bytes about to be added.
             keep: keys that must stay, whatever their age.
             limit: what `used` plus `need` may reach; the capacity by default.
+            cold_only: remove only parked entries (see `park`), which come first.
         """
         limit = self.capacity if limit is None else limit
         victims, freed = [], 0
         with self.txn.cursor(db=self.dbs.lru) as cursor:
             for entry in cursor.iternext(values=False):
-                if self.used - freed + need <= limit:
+                if self.used - freed + need <= limit or (cold_only and entry[:8] != _PARKED):
                     break
                 key = bytes(entry[_U64.size :])
                 if key not in keep:

@@ -131,8 +131,9 @@ def store_new(
     """Write the batch's new keys that fit, evicting the oldest entries first.
 
     The tier holds at most `limit` bytes of values; `packer` packs each new chunk. New keys
-    in `cold` (a reuse hint: none is expected) go first in line for eviction; the batch's
-    other keys become the most recently used.
+    in `cold` (a reuse hint: none is expected) go first in line for eviction, and take
+    room only from free space and other such entries (else they are declined, with every
+    deeper key); the batch's other keys become the most recently used.
 
     Returns:
         The batch's keys held after the write, how many were new, how many declined.
@@ -153,7 +154,10 @@ def store_new(
             size = value_len
         kept[key] = size
         held += size
-    writer.evict(len(new) * value_len, keep=set(kept))
+    num_warm = sum(1 for key in new if key not in cold)
+    writer.evict(num_warm * value_len, keep=set(kept))
+    if num_warm < len(new):
+        writer.evict(len(new) * value_len, keep=set(kept), cold_only=True)
     while new and writer.used + len(new) * value_len > limit:
         del kept[new.pop()]  # what is left is held by this batch or unaccounted
     out = packer.buffer()

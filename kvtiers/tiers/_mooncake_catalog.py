@@ -10,7 +10,6 @@ it gone.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
@@ -76,16 +75,21 @@ class KnownChunks:
             (self._cold or self._keys).popitem(last=False)
 
     def admit(
-        self, order: Sequence[ChunkKey], held: dict[ChunkKey, bool]
+        self,
+        order: Sequence[ChunkKey],
+        held: dict[ChunkKey, bool],
+        cold: Collection[ChunkKey] = (),
     ) -> tuple[list[ChunkKey], list[ChunkKey]]:
         """Plan a `put` of the distinct keys `order`: what to write, and what to evict.
 
         Each key of `order` that is known is set in `held` and becomes the most recent
-        (cold no more).
+        (cold no more). A new key among `cold` takes room only from free entries and cold
+        chunks.
 
         Returns:
             The keys to write (the new ones that fit, in order) and the known keys to
-            evict to make room for them (least recent first, none of the batch's).
+            evict to make room for them (cold, then least recent first; none of the
+            batch's).
         """
         for key in order:
             if key in self:
@@ -93,11 +97,19 @@ class KnownChunks:
                 self._cold.pop(key, None)
                 self._keys[key] = None
                 self._keys.move_to_end(key)
-        # NOTE: the batch's known chunks stay; once a new one does not fit, no deeper
-        # one is stored without it.
-        new = [key for key in order if not held[key]]
-        new = new[: max(0, self.max_entries - (len(order) - len(new)))]
-        excess = len(self) + len(new) - self.max_entries
-        known = itertools.chain(self._cold, self._keys)
-        victims = [key for key in known if key not in held][: max(0, excess)]
+        free = self.max_entries - len(self)
+        spare_cold = iter([key for key in self._cold if key not in held])
+        spare_warm = iter([key for key in self._keys if key not in held])
+        new: list[ChunkKey] = []
+        victims: list[ChunkKey] = []
+        for key in (key for key in order if not held[key]):
+            if free > 0:
+                free -= 1
+            elif (victim := next(spare_cold, None)) is not None or (
+                key not in cold and (victim := next(spare_warm, None)) is not None
+            ):
+                victims.append(victim)
+            else:
+                break  # NOTE: once a new chunk does not fit, no deeper one is stored
+            new.append(key)
         return new, victims

@@ -45,6 +45,7 @@ for i = 2, #KEYS do
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
     held = 1
   elseif not full then
+    local cold = string.sub(ARGV[5], i - 1, i - 1) == '1'
     if known then
       redis.call('ZREM', zset, key)
       count = count - 1
@@ -52,7 +53,9 @@ for i = 2, #KEYS do
     while count >= limit do
       local oldest = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
       local age = #oldest > 0 and tonumber(oldest[2])
-      if not age or age >= now or (age >= cold_now and age < cold_now + #KEYS * 0.000001) then
+      -- NOTE: a cold chunk takes room only from cold ones (scored below zero).
+      if not age or age >= now or (cold and age >= 0)
+          or (age >= cold_now and age < cold_now + #KEYS * 0.000001) then
         full = true
         break
       end
@@ -67,7 +70,6 @@ for i = 2, #KEYS do
       else
         redis.call('SET', key, ARGV[i + 4])
       end
-      local cold = string.sub(ARGV[5], i - 1, i - 1) == '1'
       redis.call('ZADD', zset, score(cold and cold_now or now, i), key)
       count, held = count + 1, 1
     end

@@ -12,7 +12,6 @@ A namespace is `<root>/<layout fingerprint hex>`. Below it:
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -264,13 +263,19 @@ class Catalog:
             (self._cold if cold else self._entries)[key] = entry
             self.used_bytes += entry.size
 
-    def victims(self, need: int, capacity: int, keep: set[bytes]) -> list[bytes]:
-        """Return the keys to delete, cold then least recently used, so `need` more fit."""
+    def victims(
+        self, need: int, capacity: int, keep: set[bytes], cold_need: int = 0
+    ) -> list[bytes]:
+        """Return the keys to delete, cold then least recently used, so `need` more fit.
+
+        `cold_need` more bytes, of cold objects, are made room for from cold ones only.
+        """
         victims, freed = [], 0
-        for key, entry in itertools.chain(self._cold.items(), self._entries.items()):
-            if self.used_bytes - freed + need <= capacity:
-                break
-            if key not in keep:
-                victims.append(key)
-                freed += entry.size
+        for table, more in ((self._cold, need + cold_need), (self._entries, need)):
+            for key, entry in table.items():
+                if self.used_bytes - freed + more <= capacity:
+                    break
+                if key not in keep:
+                    victims.append(key)
+                    freed += entry.size
         return victims

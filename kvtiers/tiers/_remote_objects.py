@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtiers.core.keys import ChunkKey
@@ -105,6 +105,32 @@ class ChunkObjects:
         if bad:
             budget = max(0.0, deadline - time.monotonic())
             await self.stragglers.within(budget, [self.delete(bad)], [])
+
+    async def get_layers(
+        self,
+        keys: Sequence[ChunkKey],
+        plan: LayerPlan,
+        dsts: Sequence[Buffer],
+        clock: Callable[[], float],
+        *,
+        tally: bool = True,
+    ) -> list[bool]:
+        """Fill `plan`'s layers of each destination from ranged reads; return the hits.
+
+        Each object is judged as `after_read` says (`clock` gives its time of use).
+        """
+        deadline = time.monotonic() + self._store.read_timeout
+        since = self._catalog.changes
+        got, late = await self.stragglers.within(
+            self._store.read_timeout, [self.read_layers(key, plan) for key in keys], None
+        )
+        self._counters.fail(late, timed_out=True)
+        found = await gather_all(
+            self._codec.deliver_layers(k, g, plan, d)
+            for k, g, d in zip(keys, got, dsts, strict=True)
+        )
+        await self.after_read(keys, found, clock(), since, deadline, tally=tally)
+        return [verdict is Verdict.OK for verdict, _ in found]
 
     async def info(self, key: ChunkKey) -> dict[str, Any] | None | bool:
         """Return the object's details, `None` if it is missing, `False` if unknown."""

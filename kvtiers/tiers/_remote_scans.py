@@ -169,6 +169,15 @@ class Scanner:
         self._log.dirty = False
         await self._store.rm(self._log_path(namespace))
 
+    async def discard_log(self, namespace: str) -> bool:
+        """Do `remove_log`; return `False` (counted) if the store failed."""
+        try:
+            await self.remove_log(namespace)
+        except StoreUnavailable as exc:
+            self._counters.fail(timed_out=exc.timed_out)
+            return False
+        return True
+
     def _failed(self, exc: StoreUnavailable) -> None:
         """Count a failed scan; warn only at the first of a run (scans repeat its cause)."""
         self._counters.fail(timed_out=exc.timed_out)

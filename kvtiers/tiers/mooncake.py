@@ -20,9 +20,9 @@ The store's semantics, and what the tier makes of them:
   value) is declined and counted (`io_counters.full`), not a failure: reads go on.
 
 Capacity bounds the chunks this process knows to be in the pool (its writes and its hits),
-least recently used first, those put cold (`put_hinted`) before all others until read
-(`_mooncake_catalog`); the pool's real bound is the memory its
-segments lend, beyond which the store evicts by itself. Since the store drops objects
+least recently used first, those put cold (`put_hinted`) before all others until read (they
+take room only from each other; `_mooncake_catalog`); the pool's real bound is the memory
+its segments lend, beyond which the store evicts by itself. Since the store drops objects
 without notice, a `put` asks the store about the batch's known chunks before it reports
 them held, and writes again those it no longer has. `close` waits for the calls in flight.
 """
@@ -269,7 +269,7 @@ class MooncakeTier(PoolTier):
             order, held = plan.order, plan.held
             async with self._write_lock:
                 await self._forget_lost(order)
-                new, victims = self._catalog.admit(order, held)
+                new, victims = self._catalog.admit(order, held, cold)
                 if victims:
                     self.counters.evictions += len(victims)
                     self._note_evicted(victims)

@@ -9,11 +9,12 @@ process: a sorted set `<prefix>:<fingerprint hex>:lru` holds each chunk key with
 of its last write or read. A `put` runs one Lua script per batch (`_redis_scripts`), which
 writes the values, records them, and evicts the oldest entries past the capacity,
 atomically; a chunk that does not fit without evicting one of the batch's own chunks is
-declined, and so is every deeper one. Chunks put cold (`put_hinted`: no reuse expected)
-are scored to go before all others until read. A `get` is one pipeline: the GETs and a script that
-touches the hits. Since every value of a layout has the same size, the set's cardinality
-is the usage. The server's own `maxmemory` eviction may still drop values (a miss); the
-set then forgets them on the next write of the key or by age.
+declined, and so is every deeper one. Chunks put cold (`put_hinted`: no reuse expected) are
+scored to go before all others until read, and take room only from other cold ones. A `get`
+is one pipeline: the GETs and a script that touches the hits. Since every value of a layout
+has the same size, the set's cardinality is the usage. The server's own `maxmemory`
+eviction may still drop values (a miss); the set then forgets them on the next write of the
+key or by age.
 
 Every request is a pipeline behind the breaker of `_pool_guard`: while the server fails,
 calls return misses at once and `put` drops its chunks (counted); nothing raises. A server

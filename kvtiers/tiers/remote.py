@@ -9,16 +9,16 @@ at once, complete, and the last of two concurrent PUTs of one key wins; on files
 without that (local) the object is written under a temporary name and renamed, which POSIX
 makes atomic. Two processes writing one chunk therefore leave one valid object.
 
-Eviction is least recently used by last access, by the tier itself (`manages_eviction`):
-no single process sees every read. Each process keeps a catalog of the objects it knows
+Eviction is least recently used by last access, by the tier itself (`manages_eviction`): no
+single process sees every read. Each process keeps a catalog of the objects it knows
 (filled by a scan: one listing of the namespace plus every process's access log, see
 `_remote_catalog`, `_remote_access`) and evicts from it when a `put` would exceed the
 capacity. Objects written cold (`put_hinted`: no reuse expected) go first, in every
-process, until someone reads them. Scans run at open and then at most every
-`scan_interval` seconds, from `put` (the background write path, never a load); a scan also
-deletes objects idle for longer than `ttl`, and evicts what other processes' writes
-pushed over the capacity. A listing alone would only know writes;
-a shared index object would need read-modify-write across nodes, which object stores cannot
+process, until someone reads them, and take room only from other cold objects. Scans run at
+open and then at most every `scan_interval` seconds, from `put` (the background write path,
+never a load); a scan also deletes objects idle for longer than `ttl`, and evicts what
+other processes' writes pushed over the capacity. A listing alone would only know writes; a
+shared index object would need read-modify-write across nodes, which object stores cannot
 do safely, so each process writes only its own small access log.
 
 While the store fails, a circuit breaker (`_remote_breaker`, applied by `_remote_requests`)
@@ -283,8 +283,10 @@ class RemoteTier(Tier):
             else:
                 kept.append(key)
             held += size
-        need = len(new) * self.value_bytes
-        victims = self._catalog.victims(need, self.capacity_bytes, keep=set(srcs_by_key))
+        # NOTE: a cold object takes room only from free space and other cold objects.
+        num_cold = sum(1 for key in new if key in cold)
+        need, cold_need = (len(new) - num_cold) * self.value_bytes, num_cold * self.value_bytes
+        victims = self._catalog.victims(need, self.capacity_bytes, set(srcs_by_key), cold_need)
         await self._evict(victims)
         while new and self._catalog.used_bytes + len(new) * self.value_bytes > self.capacity_bytes:
             new.pop()  # what is left is held by this batch or could not be deleted
@@ -359,18 +361,7 @@ class RemoteTier(Tier):
             self.counters.misses += len(keys)
             self.counters.unavailable += bool(keys)
             return [False] * len(keys)
-        deadline = time.monotonic() + self._store.read_timeout
-        since = self._catalog.changes
-        got, late = await self._stragglers.within(
-            self._store.read_timeout, [self._objects.read_layers(key, plan) for key in keys], None
-        )
-        self.counters.fail(late, timed_out=True)
-        found = await gather_all(
-            self._codec.deliver_layers(k, g, plan, d)
-            for k, g, d in zip(keys, got, dsts, strict=True)
-        )
-        await self._objects.after_read(keys, found, self.clock(), since, deadline, tally=tally)
-        hits = [verdict is Verdict.OK for verdict, _ in found]
+        hits = await self._objects.get_layers(keys, plan, dsts, self.clock, tally=tally)
         self.counters.bytes_read += sum(hits) * len(plan.layers) * self.layout.layer_bytes
         return hits
 
@@ -394,12 +385,7 @@ class RemoteTier(Tier):
         """
         self._ensure_open()
         async with self._write_lock:
-            try:
-                await self._scanner.remove_log(self.namespace)
-            except StoreUnavailable as exc:
-                self.counters.fail(timed_out=exc.timed_out)
-                return False
-        return True
+            return await self._scanner.discard_log(self.namespace)
 
     async def _scan(self, retries: int | None = None) -> None:
         now, since = self.clock(), self._catalog.changes
