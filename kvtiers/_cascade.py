@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtiers._movement import Slot
+from kvtiers._slot import Slot
 from kvtiers.core.config import CacheConfig
 from kvtiers.core.errors import ConfigError
 from kvtiers.core.layout import KVLayout

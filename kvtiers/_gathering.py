@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtiers._endpoints import Sink
-from kvtiers._residency import Slot, View
+from kvtiers._slot import Slot, View
 from kvtiers._streaming import LayerStream
 from kvtiers._writes import WriteQueues
 from kvtiers.core.keys import ChunkKey

@@ -12,10 +12,11 @@ from typing import Any
 
 from kvtiers._endpoints import Sink, Source
 from kvtiers._gathering import Gatherer
-from kvtiers._residency import CallerCopyFailed, Slot
+from kvtiers._residency import CallerCopyFailed
+from kvtiers._slot import Slot
 from kvtiers.core.keys import ChunkKey
 
-__all__ = ["Mover", "Slot"]
+__all__ = ["Mover"]
 
 _CLEAR_BATCH = 1024  # keys per tier call when clearing
 

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvtiers._movement import Mover
-from kvtiers._residency import Slot
+from kvtiers._slot import Slot
 from kvtiers._tally import CallTally
 from kvtiers.core.errors import InvalidInputError
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue

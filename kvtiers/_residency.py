@@ -19,33 +19,29 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import torch
 
 from kvtiers._logs import RateLimitedLog
+from kvtiers._slot import Slot, View
 from kvtiers._stages import StagePool
-from kvtiers.core.config import TierConfig
 from kvtiers.core.errors import CacheStateError, InvalidInputError
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkKey
 from kvtiers.core.layout import KVLayout
-from kvtiers.eviction.hinted import HintedPolicy
 from kvtiers.gpu.hbm import HBMTier
 from kvtiers.gpu.pinned import pinned_allocator
-from kvtiers.tiers.base import Buffer, Tier
+from kvtiers.tiers.base import Buffer
 from kvtiers.tiers.blocks import BlockTier
 from kvtiers.tiers.dram import MemoryTier
 
-__all__ = ["CallerCopyFailed", "Residency", "Slot", "View"]
+__all__ = ["CallerCopyFailed", "Residency"]
 
 logger = logging.getLogger("kvtiers")
 
 _T = TypeVar("_T")
-View = Buffer | torch.Tensor
-"""A block view: host bytes (DRAM) or a device tensor (HBM)."""
 DIRECT_PUT_BYTES = 4 * 2**20
 """Chunks this big or bigger are put from the caller's contiguous bytes, unstaged."""
 _RECENTLY_EVICTED = 65_536  # keys remembered as evicted, to tell "evicted" from "never_stored"
@@ -57,29 +53,6 @@ class CallerCopyFailed(Exception):
     Raised out of a sink's `deliver` or a source's `fill` by `Residency._caller_copy`, and
     caught where the load or store began, which then ends with what was copied before it.
     """
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    """One tier in the cascade with the cache's state for it."""
-
-    idx: int
-    """Position, top first; also the tier's bit in index masks."""
-    tier: Tier
-    config: TierConfig
-    policy: HintedPolicy | None
-    """The cache's eviction policy for it, taking reuse hints; `None` when the tier evicts
-    by itself."""
-    queue: asyncio.Queue[ChunkKey | None] | None = None
-    """Write-through queue of chunk keys (`None` ends the writer)."""
-    queued: set[ChunkKey] = field(default_factory=set)
-    """Keys in the write-through queue or being written, so a key is queued once."""
-    failed: dict[ChunkKey, None] = field(default_factory=dict)
-    """Keys whose write-through copy failed because the tier or its store did (oldest
-    first, bounded): a later hit in the top tier queues them again."""
-    room: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the writer takes keys from the queue (or stops): calls waiting on a full
-    queue look again."""
 
 
 class Residency:

@@ -6,7 +6,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from kvtiers._residency import Residency, Slot
+from kvtiers._residency import Residency
+from kvtiers._slot import Slot
 from kvtiers.core.errors import CacheStateError
 from kvtiers.core.keys import ChunkKey
 
