@@ -92,17 +92,21 @@ def _pool_lines(tc: TierConfig, namespaces: Sequence[Any], *, keys: bool) -> lis
         if ns.current:
             line += f" of {format_size(tc.capacity_bytes)}"
         if objects:
-            line += (
-                f"; last access {_when(objects[0].last_access)} .. {_when(objects[-1].last_access)}"
-            )
+            times = [o.last_access for o in objects]
+            line += f"; last access {_when(min(times))} .. {_when(max(times))}"
+        num_cold = sum(o.cold for o in objects)
         extras = [
+            f"{num_cold:,} cold (stored with no reuse expected)" if num_cold else "",
             f"{len(listing.access_logs)} access logs" if listing.access_logs else "",
             f"{len(listing.temps)} temporaries" if listing.temps else "",
             f"{len(listing.others)} other files" if listing.others else "",
         ]
         lines.append(line + "".join(f"; {e}" for e in extras if e))
         if keys and ns.current:
-            lines += [f"    {o.key.hex()}  {o.size:>12,}  {_when(o.last_access)}" for o in objects]
+            lines += [
+                f"    {o.key.hex()}  {o.size:>12,}  {_when(o.last_access)}{'  cold' * o.cold}"
+                for o in objects
+            ]
     return lines
 
 

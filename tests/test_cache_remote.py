@@ -256,6 +256,19 @@ async def test_cli_remote_ls_and_purge(tmp_path, layout, capsys):
     assert "empty" in await asyncio.to_thread(cli, "remote", "ls", str(toml))
 
 
+async def test_cli_remote_ls_shows_cold_objects_first(tmp_path, layout, capsys):
+    toml = write_toml(tmp_path, file_url(tmp_path))
+    async with TieredCache.from_config(toml) as cache:
+        await cache.store(TOKENS, make_kv(layout, 64), keep_tokens=32)  # 2 chunks past it
+        keys = cache.keys(TOKENS)
+    code = await asyncio.to_thread(main, ["remote", "ls", str(toml), "--keys"])
+    out = capsys.readouterr().out
+    assert code == 0 and "4 objects" in out and "2 cold (stored with no reuse expected)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("    ")]
+    assert [row[0] for row in rows[:2]] == [keys[3].hex(), keys[2].hex()]  # eviction order
+    assert [row[-1] == "cold" for row in rows] == [True, True, False, False]
+
+
 def test_cli_remote_ls_names_other_layouts_by_their_record(tmp_path, layout, capsys):
     url = file_url(tmp_path)
     other = dataclasses.replace(layout, model="other/model", tp_rank=1, tp_size=2)

@@ -49,8 +49,8 @@ class Namespace:
 
     @property
     def objects(self) -> list[StoredObject]:
-        """Return the chunk objects, least recently accessed first."""
-        return sorted(self.listing.objects.values(), key=lambda o: o.last_access)
+        """Return the chunk objects in eviction order: cold, then least recently accessed."""
+        return sorted(self.listing.objects.values(), key=lambda o: (not o.cold, o.last_access))
 
 
 @dataclass(frozen=True, slots=True)
