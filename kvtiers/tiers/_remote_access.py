@@ -57,20 +57,17 @@ class AccessLog:
 
     def record(self, keys: Sequence[bytes], now: float) -> None:
         """Record reads of `keys` (prefix first) at `now`; the prefix counts as more recent."""
-        n = len(keys)
-        for i, key in enumerate(keys):
-            self.times.pop(key, None)  # re-inserted last: the dict stays oldest-first
-            self.times[key] = now + (n - 1 - i) * TIE
-        self.dirty = self.dirty or n > 0
-        while len(self.times) > _MAX_LOG_ENTRIES:
-            del self.times[next(iter(self.times))]
+        self._stamp(keys, now, 1.0)
 
     def park(self, keys: Sequence[bytes], now: float) -> None:
         """Record that `keys` (prefix first) were written cold at `now`, the last the oldest."""
+        self._stamp(keys, now, -1.0)
+
+    def _stamp(self, keys: Sequence[bytes], now: float, sign: float) -> None:
         n = len(keys)
         for i, key in enumerate(keys):
-            self.times.pop(key, None)
-            self.times[key] = -(now + (n - 1 - i) * TIE)
+            self.times.pop(key, None)  # re-inserted last: the dict stays oldest-first
+            self.times[key] = sign * (now + (n - 1 - i) * TIE)
         self.dirty = self.dirty or n > 0
         while len(self.times) > _MAX_LOG_ENTRIES:
             del self.times[next(iter(self.times))]

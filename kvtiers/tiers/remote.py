@@ -295,7 +295,8 @@ class RemoteTier(Tier):
         stored = [key for key, ok in zip(new, written, strict=True) if ok]
         held_keys = {*kept, *stored}
         parked = [k for k in stored if k in cold]  # prefix first, as all orders here
-        warm = [k for k in srcs_by_key if k in held_keys and k not in parked]
+        unparked = held_keys.difference(parked)
+        warm = [k for k in srcs_by_key if k in unparked]
         self._catalog.touch(warm, now)
         self._log.record(warm, now)
         self._catalog.park(parked, now)
