@@ -124,32 +124,36 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
-            kv_events = kv_events_on(vllm_config, self._settings)
-            multimodal = items_hashed(vllm_config)
-            if not multimodal:
-                logger.warning(
-                    "kvtiers: with mm_processor_cache_gb = 0 and prefix caching off, vLLM "
-                    "names images per request, not by their content; prompts with images "
-                    "are served without kvtiers"
-                )
-            self._scheduler = SchedulerSide(
-                self._settings,
-                self._block_size,
-                self._chunk_size,
-                self._parts.make_lookup,
-                kv_events=kv_events,
-                role=self._role,
-                multimodal=multimodal,
-                async_loads=self._topology.hybrid,
-                mamba_groups=self._topology.mamba_groups,
-            )
-            if kv_events:
-                self._quorum = EventQuorum(self._topology.num_ranks, self._settings.event_chunks)
-            if self._settings.on_load_error == "recompute":
-                # NOTE: vLLM reads this right after building the scheduler-side connector;
-                # kvtiers is a cache, so a failed load is recomputed, never an error.
-                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._open_scheduler_side(vllm_config)
         self._finalizer = weakref.finalize(self, self._parts.close)
+
+    def _open_scheduler_side(self, vllm_config: VllmConfig) -> None:
+        """Build the scheduler side: lookups, load and save planning, event quorum."""
+        kv_events = kv_events_on(vllm_config, self._settings)
+        multimodal = items_hashed(vllm_config)
+        if not multimodal:
+            logger.warning(
+                "kvtiers: with mm_processor_cache_gb = 0 and prefix caching off, vLLM "
+                "names images per request, not by their content; prompts with images "
+                "are served without kvtiers"
+            )
+        self._scheduler = SchedulerSide(
+            self._settings,
+            self._block_size,
+            self._chunk_size,
+            self._parts.make_lookup,
+            kv_events=kv_events,
+            role=self._role,
+            multimodal=multimodal,
+            async_loads=self._topology.hybrid,
+            mamba_groups=self._topology.mamba_groups,
+        )
+        if kv_events:
+            self._quorum = EventQuorum(self._topology.num_ranks, self._settings.event_chunks)
+        if self._settings.on_load_error == "recompute":
+            # NOTE: vLLM reads this right after building the scheduler-side connector;
+            # kvtiers is a cache, so a failed load is recomputed, never an error.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
 
     # ==== scheduler side =============================================================
 
