@@ -202,6 +202,28 @@ def _check_supported(
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     specs = [getattr(group, "kv_cache_spec", None) for group in groups]
+    windows, locals_, states = _attention_of(specs)
+    if store_generated:
+        _check_generated(specs, windows, locals_, states)
+    block_sizes = {int(spec.block_size) for spec in specs if spec is not None}
+    block_sizes.add(int(vllm_config.cache_config.block_size))
+    if len(block_sizes) > 1:
+        raise ValueError(
+            "KVTiersConnector needs vLLM's block size in every KV-cache group, got "
+            f"{sorted(block_sizes)}; pass --disable-hybrid-kv-cache-manager"
+        )
+    parallel = vllm_config.parallel_config
+    for option in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if int(getattr(parallel, option, 1) or 1) > 1:
+            # NOTE: context parallelism splits a request's tokens across ranks, so no rank
+            # holds whole chunks.
+            raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
+    return (min(windows) if windows else None), (math.gcd(*locals_) if locals_ else None)
+
+
+def _attention_of(specs: list[Any]) -> tuple[list[int], list[int], bool]:
+    """Return the KV-cache groups' sliding windows, local-attention chunks, and whether
+    one keeps Mamba states; refuse a group of another kind."""
     windows: list[int] = []
     locals_: list[int] = []
     states = False
@@ -213,22 +235,27 @@ def _check_supported(
             # connector saves each chunk in the step that completes it (its blocks are
             # all live then) and loads skip the freed ones.
             windows.append(int(spec.sliding_window))
-            continue
-        if _is_aligned_state(spec):
+        elif _is_aligned_state(spec):
             # NOTE: vLLM's align mode keeps a Mamba layer's state at block boundaries (one
             # prefill checkpoint per prompt); the connector stores and loads that state.
             states = True
-            continue
-        if type(spec) is ChunkedLocalAttentionSpec:
+        elif type(spec) is ChunkedLocalAttentionSpec:
             # NOTE: vLLM frees a request's blocks of earlier local-attention chunks: a
             # chunk that divides the attention chunk never straddles that boundary, so
             # its blocks are all live in the step that completes it (`chunk_size_for`).
             # No later query of the model attends to freed KV, but a stored chunk must
             # hold every layer's true KV, not the null block's.
             locals_.append(int(spec.attention_chunk_size))
-            continue
-        raise ValueError(_unsupported(spec))
-    if (windows or locals_) and store_generated:
+        else:
+            raise ValueError(_unsupported(spec))
+    return windows, locals_, states
+
+
+def _check_generated(
+    specs: list[Any], windows: list[int], locals_: list[int], states: bool
+) -> None:
+    """Refuse `store_generated` where vLLM frees or never keeps generated tokens' KV."""
+    if windows or locals_:
         # NOTE: generated tokens' blocks behind a window or in an earlier local-attention
         # chunk are freed while decoding, before the finished request's save could read.
         kind = "sliding-window" if windows else "chunked-local-attention"
@@ -237,35 +264,21 @@ def _check_supported(
             "under vLLM's hybrid KV-cache manager (vLLM frees their KV while decoding); "
             "set store_generated = false or pass --disable-hybrid-kv-cache-manager"
         )
-    if states and store_generated:
+    if states:
         # NOTE: vLLM keeps no state at the end of the generated tokens, only at the prompt's
         # checkpoint.
         raise ValueError(
             "KVTiersConnector cannot store generated tokens of a state-space model (vLLM "
             "keeps its state only at the prompt's checkpoint); set store_generated = false"
         )
-    block_sizes = {int(spec.block_size) for spec in specs if spec is not None}
-    block_sizes.add(int(vllm_config.cache_config.block_size))
-    if len(block_sizes) > 1:
-        raise ValueError(
-            "KVTiersConnector needs vLLM's block size in every KV-cache group, got "
-            f"{sorted(block_sizes)}; pass --disable-hybrid-kv-cache-manager"
-        )
     rswa = getattr(kv_cache_interface, "RSWASpec", None)
-    if store_generated and rswa is not None and any(isinstance(s, rswa) for s in specs):
+    if rswa is not None and any(isinstance(s, rswa) for s in specs):
         # NOTE: R-SWA keeps every prompt token's KV but frees generated tokens' blocks
         # that fall out of its window while decoding, so at the end they hold other KV.
         raise ValueError(
             "KVTiersConnector cannot store generated tokens of an R-SWA model (vLLM frees "
             "their KV while decoding); set store_generated = false"
         )
-    parallel = vllm_config.parallel_config
-    for option in ("prefill_context_parallel_size", "decode_context_parallel_size"):
-        if int(getattr(parallel, option, 1) or 1) > 1:
-            # NOTE: context parallelism splits a request's tokens across ranks, so no rank
-            # holds whole chunks.
-            raise ValueError(f"KVTiersConnector does not support {option} > 1 yet")
-    return (min(windows) if windows else None), (math.gcd(*locals_) if locals_ else None)
 
 
 def _is_aligned_state(spec: Any) -> bool:
