@@ -224,7 +224,7 @@ def _cache_lines(cache: dict[str, Any], url: str) -> list[str]:
 
 
 def _tier_extras(tier: dict[str, Any]) -> list[str]:
-    """Return a tier's circuit breaker and latency cells, if it has them."""
+    """Return a tier's circuit breaker, reuse-hint and latency cells, if it has them."""
     extra = []
     if "breaker" in tier:
         io = ", ".join(
@@ -232,6 +232,10 @@ def _tier_extras(tier: dict[str, Any]) -> list[str]:
             for field in ("requests", "failures", "timeouts", "refused", "dropped_writes")
         )
         extra.append(f"breaker {tier['breaker']} ({io})")
+    cold = tier.get("cold_puts", 0)
+    if cold:
+        wrong = tier.get("cold_hits", 0)
+        extra.append(f"stored cold {cold:,.0f}, hit while cold {wrong:,.0f} ({wrong / cold:.1%})")
     latency = _latency_line(tier.get("latency", {}))
     if latency:
         extra.append(f"p50/p99 {latency}")

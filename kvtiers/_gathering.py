@@ -96,44 +96,11 @@ class Gatherer(WriteQueues):
         sink: Sink | None,
         done: list[bool],
     ) -> None:
-        todo_keys = [keys[i] for i in todo]
         kept: set[int] = set()  # chunks the tier returned that could not be copied up
         if self._memtop is None:
             found = await self._get_rest(slot, keys, todo, sink)
         else:
-            top = self._slots[0]
-            # NOTE: room in the top tier may demote chunks into this tier (write-back), and
-            # a tier that evicts by itself must not make that room from the chunks we read.
-            slot.tier.touch(todo_keys)
-            await self._make_room(top, len(todo), protect=set(keys))
-            async with self._memtop.reserve(todo_keys) as res:
-                num = len(res.views)
-                # NOTE: the chunks that got a top-tier block and the rest are read at once,
-                # so a load waits for one round of calls to this tier (one deadline of a
-                # remote tier), not two in a row.
-                (held, landed), rest_found = await _all(
-                    [
-                        self._get_into(slot, todo_keys[:num], res.views, sink, todo[:num]),
-                        self._get_rest(slot, keys, todo[num:], sink),
-                    ]
-                )
-                promoted = held if landed else [False] * num
-                if not landed:
-                    # NOTE: the tier still holds these chunks; only the copy up failed.
-                    kept = {todo[j] for j, flag in enumerate(held) if flag}
-                res.keep[:] = promoted
-                hit = [j for j, flag in enumerate(promoted) if flag]
-                if sink is not None:
-                    delivery = sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
-                    await self._caller_copy(delivery, "into")
-            self._record_inserts(top, keys, [todo[j] for j in hit])
-            top.tier.counters.promotions += len(hit)
-            # Write-through tiers above the source receive what it promoted (an lmdb
-            # tier between the top and a remote pool becomes the node's copy of it).
-            above = [s for s in self._through if s.idx < slot.idx]
-            if above and hit:
-                self._queue_copies(above, [todo_keys[j] for j in hit])
-            found = promoted + rest_found
+            found, kept = await self._promote_from(slot, keys, todo, sink)
         for i, flag in zip(todo, found, strict=True):
             if flag:
                 done[i] = True
@@ -149,6 +116,53 @@ class Gatherer(WriteQueues):
                 # as this load pinned it may be back there (put by a demotion or a write
                 # since, and indexed again by it).
                 self._drop(slot, keys[i])
+
+    async def _promote_from(
+        self, slot: Slot, keys: Sequence[ChunkKey], todo: list[int], sink: Sink | None
+    ) -> tuple[list[bool], set[int]]:
+        """Read chunks `todo` of `keys` from `slot` into the top memory tier, and the rest
+        that find no block there straight to `sink`.
+
+        Returns:
+            Per chunk of `todo`, whether it was read, and the chunks the tier returned
+            but that could not be copied up (it still holds them).
+        """
+        assert self._memtop is not None  # NOTE: the caller checks
+        todo_keys = [keys[i] for i in todo]
+        kept: set[int] = set()
+        top = self._slots[0]
+        # NOTE: room in the top tier may demote chunks into this tier (write-back), and
+        # a tier that evicts by itself must not make that room from the chunks we read.
+        slot.tier.touch(todo_keys)
+        await self._make_room(top, len(todo), protect=set(keys))
+        async with self._memtop.reserve(todo_keys) as res:
+            num = len(res.views)
+            # NOTE: the chunks that got a top-tier block and the rest are read at once,
+            # so a load waits for one round of calls to this tier (one deadline of a
+            # remote tier), not two in a row.
+            (held, landed), rest_found = await _all(
+                [
+                    self._get_into(slot, todo_keys[:num], res.views, sink, todo[:num]),
+                    self._get_rest(slot, keys, todo[num:], sink),
+                ]
+            )
+            promoted = held if landed else [False] * num
+            if not landed:
+                # NOTE: the tier still holds these chunks; only the copy up failed.
+                kept = {todo[j] for j, flag in enumerate(held) if flag}
+            res.keep[:] = promoted
+            hit = [j for j, flag in enumerate(promoted) if flag]
+            if sink is not None:
+                delivery = sink.deliver([todo[j] for j in hit], [res.views[j] for j in hit])
+                await self._caller_copy(delivery, "into")
+        self._record_inserts(top, keys, [todo[j] for j in hit])
+        top.tier.counters.promotions += len(hit)
+        # Write-through tiers above the source receive what it promoted (an lmdb
+        # tier between the top and a remote pool becomes the node's copy of it).
+        above = [s for s in self._through if s.idx < slot.idx]
+        if above and hit:
+            self._queue_copies(above, [todo_keys[j] for j in hit])
+        return promoted + rest_found, kept
 
     async def _get_rest(
         self, slot: Slot, keys: Sequence[ChunkKey], rest: list[int], sink: Sink | None

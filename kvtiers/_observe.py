@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ from kvtiers._tally import CallTally
 from kvtiers.core.errors import InvalidInputError
 from kvtiers.core.events import ChunkRemoved, ChunkStored, EventQueue
 from kvtiers.core.layout import KVLayout
-from kvtiers.core.stats import CacheStats
+from kvtiers.core.stats import CacheStats, TierStats
 from kvtiers.metrics import MetricsServer
 from kvtiers.tiers.blocks import BlockTier
 
@@ -109,9 +110,19 @@ class ObservedCache:
             evicted_from=dict(self._mover.evicted_from),
             events_dropped=self._events.dropped if self._events is not None else 0,
             latency=t.latency(),
-            tiers=tuple(slot.tier.stats() for slot in self._slots),
+            tiers=tuple(_tier_stats(slot) for slot in self._slots),
         )
 
     def pin_count(self) -> int:
         """Return the pins held on memory-tier blocks now (zero when idle)."""
         return sum(slot.tier.total_pins for slot in self._slots if isinstance(slot.tier, BlockTier))
+
+
+def _tier_stats(slot: Slot) -> TierStats:
+    """Return a tier's stats, with what the cache's policy saw of reuse hints."""
+    stats = slot.tier.stats()
+    if slot.policy is None:
+        return stats
+    return dataclasses.replace(
+        stats, cold_puts=slot.policy.cold_inserts, cold_hits=slot.policy.cold_hits
+    )

@@ -61,6 +61,24 @@ async def test_known_workload_gives_exact_counters(layout, capsys):
     assert got[("kvtiers_write_queue_chunks", (("tp_rank", "0"),))] == 0
 
 
+async def test_reuse_hints_are_counted_per_tier(tmp_path, layout, capsys):
+    from kvtiers.cli import main
+
+    config = metrics_config(tmp_path=tmp_path, dram_chunks=8, lmdb_chunks=64)
+    async with TieredCache.from_config(config) as cache:
+        await cache.store(list(range(64)), make_kv(layout, 64), keep_tokens=16)  # 3 cold
+        await cache.load(list(range(32)))  # the second chunk was wanted after all
+        got = await asyncio.to_thread(scrape, cache.metrics_url)
+        dram, lmdb = cache.stats().tiers
+        assert await asyncio.to_thread(main, ["stats", cache.metrics_url]) == 0
+    assert "dram: stored cold 3, hit while cold 1 (33.3%)" in capsys.readouterr().out
+    assert (dram.cold_puts, dram.cold_hits) == (3, 1)
+    assert (lmdb.cold_puts, lmdb.cold_hits) == (0, 0)  # it evicts by itself
+    tier = (("kind", "dram"), ("tier", "dram"), ("tp_rank", "0"))
+    assert got[("kvtiers_tier_cold_puts_total", tier)] == 3
+    assert got[("kvtiers_tier_cold_hits_total", tier)] == 1
+
+
 async def test_every_tier_is_labelled(tmp_path, layout):
     async with TieredCache.from_config(metrics_config(tmp_path=tmp_path, lmdb_chunks=64)) as cache:
         await cache.store(list(range(32)), make_kv(layout, 32))

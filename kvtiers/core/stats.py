@@ -212,6 +212,11 @@ class TierStats:
     io: dict[str, int] = field(default_factory=dict)
     """What requests to the tier's store went through (requests, retries, failures,
     timeouts, refused, dropped_writes, full); empty for a tier without a remote store."""
+    cold_puts: int = 0
+    """Chunks that entered the tier cold, past a reuse hint (`store(..., keep_tokens=)`);
+    counted for the tiers the cache evicts (memory tiers), 0 for the others."""
+    cold_hits: int = 0
+    """Of `cold_puts`, chunks hit while still cold: the hint was wrong for them."""
 
 
 @dataclass(frozen=True, slots=True)

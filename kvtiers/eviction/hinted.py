@@ -44,6 +44,10 @@ class HintedPolicy(EvictionPolicy):
         self.inner = inner
         # Invariant: no key is both here and resident in `inner`; first key is the oldest.
         self._cold: OrderedDict[Hashable, None] = OrderedDict()
+        self.cold_inserts = 0
+        """Entries that became resident cold (`insert_cold` of a key not held)."""
+        self.cold_hits = 0
+        """Of those, entries hit while cold (`touch`): hints proven wrong."""
 
     @property
     def num_cold(self) -> int:
@@ -74,6 +78,7 @@ class HintedPolicy(EvictionPolicy):
         """
         if key in self.inner:
             return
+        self.cold_inserts += key not in self._cold
         self._cold[key] = None
         self._cold.move_to_end(key)
 
@@ -81,6 +86,7 @@ class HintedPolicy(EvictionPolicy):
         # docstring inherited
         if key in self._cold:
             del self._cold[key]
+            self.cold_hits += 1
             self.inner.insert(key)
         else:
             self.inner.touch(key)

@@ -45,6 +45,17 @@ def test_a_hit_moves_a_cold_entry_into_the_wrapped_policy_as_new():
     assert policy.num_cold == 1 and "x" in policy.inner
 
 
+def test_cold_inserts_and_hits_are_counted_once_each():
+    policy = hinted("x", "y", kept="ab")
+    policy.insert_cold("x")  # already cold: the newest again, not a second insert
+    policy.insert_cold("a")  # held by the wrapped policy: stays there
+    assert (policy.cold_inserts, policy.cold_hits) == (2, 0)
+    policy.touch("y")
+    policy.touch("y")  # warm now: an ordinary hit
+    policy.touch("b")
+    assert (policy.cold_inserts, policy.cold_hits) == (2, 1)
+
+
 def test_storing_again_without_the_hint_keeps_the_entry():
     policy = hinted("x", kept="a")
     policy.insert("x")
