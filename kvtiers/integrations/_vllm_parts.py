@@ -155,16 +155,7 @@ class ConnectorParts:
             async_loads=topology.hybrid,
             states=states,
         )
-        path = socket_path(self._socket_dir, self._engine_id, topology.dp_rank, rank)
-        locate = entry.cache.locate if states is None else states.locate
-        server = LookupServer(
-            path,
-            lambda tokens, salt: locate(tokens, salt=salt),
-            functools.partial(worker.clear_cache, settings.close_timeout_s),
-        )
-        entry.loop.run(server.start(), 30)
-        entry.extras[path] = server
-        self._server = server
+        path = self._serve_lookups(entry, worker, states, rank)
         logger.info(
             "kvtiers: worker rank %d serves %s (%s layout, chunk %d tokens, lookups on %s)",
             rank,
@@ -174,6 +165,22 @@ class ConnectorParts:
             path,
         )
         return worker
+
+    def _serve_lookups(
+        self, entry: SharedCache, worker: WorkerSide, states: StateStore | None, rank: int
+    ) -> str:
+        """Start this rank's lookup server (for the scheduler's lookups); return its path."""
+        path = socket_path(self._socket_dir, self._engine_id, self._topology.dp_rank, rank)
+        locate = entry.cache.locate if states is None else states.locate
+        server = LookupServer(
+            path,
+            lambda tokens, salt: locate(tokens, salt=salt),
+            functools.partial(worker.clear_cache, self._settings.close_timeout_s),
+        )
+        entry.loop.run(server.start(), 30)
+        entry.extras[path] = server
+        self._server = server
+        return path
 
     def _open_states(
         self, entry: SharedCache, layers: dict[str, torch.Tensor], layout: KVLayout
