@@ -8,20 +8,31 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
+
+import pytest
 
 from kvtiers.tiers._remote_access import CLOCK_SLACK, AccessLog
 from kvtiers.tiers._remote_catalog import Listing, StoredObject
+from tests.tiers.conftest import MotoS3
 from tests.tiers.test_remote import dsts, keys, make_tier, memory_url, payloads
 
 
-async def test_cold_objects_go_first_in_every_process_after_a_scan() -> None:
+@pytest.mark.parametrize("store", ["memory", "s3"])
+async def test_cold_objects_go_first_in_every_process_after_a_scan(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    options: dict[str, Any] = {}
     url = memory_url()
+    if store == "s3":  # whole-second modification times, over HTTP
+        s3: MotoS3 = request.getfixturevalue("moto_s3")
+        url, options = s3.url(), {"storage_options": s3.storage_options()}
     a, b, c = keys(2), keys(2, seed=1), keys(2, seed=2)
-    async with make_tier(url, num_chunks=4) as one:
+    async with make_tier(url, num_chunks=4, **options) as one:
         await one.put(a, payloads(2))
         assert await one.put_hinted(b, payloads(2), cold=set(b)) == [True, True]
         await one.scan_now()  # writes its log, then refills its catalog from the listing
-        async with make_tier(url, num_chunks=4) as two:  # another process: scans at open
+        async with make_tier(url, num_chunks=4, **options) as two:  # another process
             assert two.usage().num_entries == 4
             assert await two.put(c, payloads(2)) == [True, True]
             assert await two.contains([*a, *b]) == [True, True, False, False]
