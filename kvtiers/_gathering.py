@@ -120,8 +120,9 @@ class Gatherer(WriteQueues):
     async def _promote_from(
         self, slot: Slot, keys: Sequence[ChunkKey], todo: list[int], sink: Sink | None
     ) -> tuple[list[bool], set[int]]:
-        """Read chunks `todo` of `keys` from `slot` into the top memory tier, and the rest
-        that find no block there straight to `sink`.
+        """Read chunks `todo` of `keys` from `slot` up into the top memory tier.
+
+        Those that find no block there go straight to `sink`.
 
         Returns:
             Per chunk of `todo`, whether it was read, and the chunks the tier returned

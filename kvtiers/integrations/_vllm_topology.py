@@ -222,8 +222,11 @@ def _check_supported(
 
 
 def _attention_of(specs: list[Any]) -> tuple[list[int], list[int], bool]:
-    """Return the KV-cache groups' sliding windows, local-attention chunks, and whether
-    one keeps Mamba states; refuse a group of another kind."""
+    """Return the groups' sliding windows, local chunks, and whether any keeps states.
+
+    Raises:
+        ValueError: a group of a kind the connector cannot pool.
+    """
     windows: list[int] = []
     locals_: list[int] = []
     states = False
