@@ -179,26 +179,23 @@ class Catalog:
 
         Cold objects are evicted before all others, oldest first, until a touch.
         """
-        n = len(keys)
-        for i in range(n - 1, -1, -1):
-            entry = self._entries.pop(keys[i], None) or self._cold.pop(keys[i], None)
-            if entry is not None:
-                entry.last_access = now + (n - 1 - i) * TIE
-                self._cold[keys[i]] = entry
+        self._stamp(keys, now, self._cold)
 
     def touch(self, keys: Sequence[bytes], now: float) -> None:
         """Make the known `keys` the most recently used, the last key the oldest of them.
 
         A cold key touched is cold no more.
         """
+        self._stamp(keys, now, self._entries)
+
+    def _stamp(self, keys: Sequence[bytes], now: float, into: OrderedDict[bytes, _Entry]) -> None:
+        """Move the known `keys` to the end of `into`, the last key first, used at `now`."""
         n = len(keys)
         for i in range(n - 1, -1, -1):
-            entry = self._entries.get(keys[i])
-            if entry is None and (entry := self._cold.pop(keys[i], None)) is not None:
-                self._entries[keys[i]] = entry
+            entry = self._entries.pop(keys[i], None) or self._cold.pop(keys[i], None)
             if entry is not None:
                 entry.last_access = now + (n - 1 - i) * TIE
-                self._entries.move_to_end(keys[i])
+                into[keys[i]] = entry
 
     def remove(self, key: bytes) -> bool:
         """Forget `key`'s object; return whether it was known."""
