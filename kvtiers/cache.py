@@ -268,8 +268,8 @@ class TieredCache(KeyLevelAPI, PagedAPI, ObservedCache):
             TokenError: `tokens` is not a 1-D sequence of non-negative integer ids.
         """
         hit, keys = await self._lookup(tokens, salt)
-        tiers = self._mover.top_tiers(keys[: hit // self.layout.chunk_size])
-        return LookupResult(hit, tiers)
+        found = tuple(keys[: hit // self.layout.chunk_size])
+        return LookupResult(hit, self._mover.top_tiers(found), found)
 
     async def _lookup(self, tokens: Any, salt: Salt) -> tuple[int, list[ChunkKey]]:
         start = time.perf_counter()

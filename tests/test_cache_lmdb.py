@@ -54,12 +54,15 @@ async def test_locate_names_the_tier_each_chunk_is_read_from(tmp_path, layout):
         await cache.flush()  # in both tiers now: the top one is named
         found = await cache.locate(tokens + [7, 8, 9])  # a partial chunk past the prefix
         assert found == LookupResult(64, ("dram",) * 4)
+        assert found.keys == tuple(cache.keys(tokens))  # the hit's keys, for key-level calls
     # A fresh cache over the same LMDB finds the chunks there (asked past its empty index).
     async with TieredCache.from_config(cfg) as cache:
         assert await cache.locate(tokens) == LookupResult(64, ("lmdb",) * 4)
         assert same_bytes(await cache.load(tokens[:32]), kv[:, :, :32])  # promotes two
         assert (await cache.locate(tokens)).tiers == ("dram", "dram", "lmdb", "lmdb")
-        assert await cache.locate(other[:40]) == LookupResult(32, ("lmdb", "lmdb"))
+        found = await cache.locate(other[:40])
+        assert found == LookupResult(32, ("lmdb", "lmdb"))
+        assert found.keys == tuple(cache.keys(other[:32]))
         assert await cache.locate([1, 2, 3]) == LookupResult(0, ())
         assert cache.stats().lookups == 4  # each counted as a lookup
 

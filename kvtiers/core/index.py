@@ -50,6 +50,11 @@ class LookupResult:
     tiers: tuple[str, ...]
     """Per chunk of the prefix, the name of the tier a load reads it from: the highest
     tier that holds it (by the cache's index, at the time of the lookup)."""
+    keys: tuple[ChunkKey, ...] = field(default=(), compare=False, repr=False)
+    """The chunk keys of the prefix, prefix first, for the key-level calls
+    (`contains_keys`, `get_chunks`) on the same chunks without hashing the tokens again.
+    Empty in a result rebuilt from another process's answer (vLLM's lookup channel
+    carries the length and tiers only)."""
 
 
 @dataclass(frozen=True, slots=True)

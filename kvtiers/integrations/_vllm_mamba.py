@@ -148,14 +148,14 @@ class StateStore:
         """
         cache = self._kv.cache
         found = await cache.locate(tokens, salt=salt)
-        num_chunks = found.num_tokens // cache.layout.chunk_size
-        if num_chunks == 0:
+        if not found.keys:
             return found
-        keys = cache.keys(tokens, salt=salt)[:num_chunks]
         states = self.entry.cache
-        kept = await self._on_states(states.contains_keys(states.chunk_keys(keys)))
+        kept = await self._on_states(states.contains_keys(states.chunk_keys(found.keys)))
         last = max((i + 1 for i, hit in enumerate(kept) if hit), default=0)
-        return LookupResult(last * cache.layout.chunk_size, found.tiers[:last])
+        return LookupResult(
+            last * cache.layout.chunk_size, found.tiers[:last], found.keys[:last]
+        )
 
     def save(
         self, tokens: Any, salt: Salt, blocks: Sequence[int], cold: bool = False

@@ -116,6 +116,7 @@ def test_a_prefix_is_offered_up_to_the_last_chunk_whose_end_has_a_state(store):
     assert states.flush(30)
     found = on(kv, states.locate(TOKENS, None))
     assert found.num_tokens == 2 * CHUNK and len(found.tiers) == 2
+    assert found.keys == tuple(kv.cache.keys(TOKENS)[:2])  # the KV's keys of the prefix
     assert on(kv, states.locate(TOKENS, "tenant")).num_tokens == 0  # another salt's keys
     assert on(kv, states.clear()) > 0
     assert on(kv, states.locate(TOKENS, None)).num_tokens == 0
