@@ -20,7 +20,8 @@ import itertools
 import numpy as np
 import torch
 
-from benchmarks._common import GIB, MIB, Result, Target, amedian_pair, main
+from benchmarks._common import GIB, MIB, Result, Target, main
+from benchmarks._timing import amedian_pair
 from kvtiers import TieredCache
 from kvtiers._host_copies import default_copy_threads
 

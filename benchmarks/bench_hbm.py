@@ -28,7 +28,8 @@ import itertools
 import numpy as np
 import torch
 
-from benchmarks._common import Result, Target, amedian_pair, main
+from benchmarks._common import Result, Target, main
+from benchmarks._timing import amedian_pair
 from kvtiers import TieredCache
 
 VOCAB = 32_000

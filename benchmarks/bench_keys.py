@@ -17,7 +17,8 @@ import pickle
 import numpy as np
 import xxhash
 
-from benchmarks._common import Result, Target, main, median_of, median_pair
+from benchmarks._common import Result, Target, main
+from benchmarks._timing import median_of, median_pair
 from kvtiers.core.keys import ChunkHasher, as_token_array
 from kvtiers.core.layout import KVLayout
 

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks._common import GIB, MIB, Result, Target, amedian_pair, main
+from benchmarks._common import GIB, MIB, Result, Target, main
+from benchmarks._timing import amedian_pair
 from benchmarks.bench_dram import BYTES_PER_TOKEN, LAYOUT, VOCAB, make_kv, same_bits
 from kvtiers import TieredCache
 

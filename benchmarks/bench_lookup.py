@@ -17,7 +17,8 @@ import time
 import numpy as np
 import xxhash
 
-from benchmarks._common import Result, Target, main, percentile
+from benchmarks._common import Result, Target, main
+from benchmarks._timing import percentile
 from kvtiers.core.index import PrefixIndex
 from kvtiers.core.keys import ChunkHasher, ChunkKey
 from kvtiers.core.layout import KVLayout

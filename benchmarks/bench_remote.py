@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks._common import GIB, MIB, Result, Target, amedians_interleaved, main
+from benchmarks._common import GIB, MIB, Result, Target, main
+from benchmarks._timing import amedians_interleaved
 from benchmarks.bench_dram import BYTES_PER_TOKEN, LAYOUT, VOCAB, make_kv, same_bits
 from kvtiers import TieredCache
 

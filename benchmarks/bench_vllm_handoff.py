@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Result, main
-from benchmarks.bench_vllm_ttft import BLOCK, ROOT, SIZES, VLLM_PYTHON, build_model
+from benchmarks._vllm_engine import BLOCK
+from benchmarks.bench_vllm_ttft import ROOT, SIZES, VLLM_PYTHON, build_model
 
 _MARK = "HANDOFF "
 SETTLE_S = 1.0

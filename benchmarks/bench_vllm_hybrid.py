@@ -29,21 +29,23 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Result
+from benchmarks._vllm_engine import (
+    close_engine,
+    fresh_each,
+    kvtiers_connector,
+    log,
+    make_engine,
+    recorder,
+    ttfts,
+    uncached,
+    warm_floor,
+)
 from benchmarks.bench_vllm_ttft import (
     SIZES,
-    _close,
-    _engine,
-    _floor,
-    _fresh_each,
-    _kvtiers,
-    _log,
-    _ttfts,
     case_rows,
     engine_data,
     engine_main,
     medians,
-    recorder,
-    uncached,
 )
 
 WINDOW = 512
@@ -81,13 +83,13 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     put("none", none)
     put("none_new", none_new)
 
-    put("floor", _floor(model, warmup, prompts))
+    put("floor", warm_floor(model, warmup, prompts))
 
-    kv = _kvtiers(work / "kv", None)
-    _log("kvtiers: fill (hybrid manager on)")
-    llm = _engine(model, kv)
-    _ttfts(llm, [warmup, *prompts])
-    _close(llm)
+    kv = kvtiers_connector(work / "kv", None)
+    log("kvtiers: fill (hybrid manager on)")
+    llm = make_engine(model, kv)
+    ttfts(llm, [warmup, *prompts])
+    close_engine(llm)
     # The two modes take turns, engine by engine, so that the machine's slow spells
     # (single requests here swing 2-5x) fall on both.
     for row in ("lmdb", "dram", "new"):
@@ -97,18 +99,18 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     def add(row: str, tag: str, res: tuple[list[float], list[int]]) -> None:
         out[f"{tag}_{row}"] += res[0]
         out[f"cached_{tag}_{row}"] += res[1]
-        _log(f"{tag}_{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
+        log(f"{tag}_{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
 
     for prompt in prompts:
         for tag, args in _MODES.items():
-            add("lmdb", tag, _fresh_each(model, kv, warmup, [prompt], cold=False, **args))
+            add("lmdb", tag, fresh_each(model, kv, warmup, [prompt], cold=False, **args))
     for r in range(_ROUNDS):
         for tag, args in _MODES.items():
-            llm = _engine(model, kv, **args)
-            _ttfts(llm, prompts)  # loads from LMDB, promotes into DRAM
-            add("dram", tag, _ttfts(llm, prompts))
-            add("new", tag, _ttfts(llm, fresh[tag, r]))
-            _close(llm)
+            llm = make_engine(model, kv, **args)
+            ttfts(llm, prompts)  # loads from LMDB, promotes into DRAM
+            add("dram", tag, ttfts(llm, prompts))
+            add("new", tag, ttfts(llm, fresh[tag, r]))
+            close_engine(llm)
     return out
 
 

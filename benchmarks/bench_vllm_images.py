@@ -38,17 +38,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Result
+from benchmarks._vllm_engine import (
+    SETTLE_S,
+    close_engine,
+    example_connector,
+    kvtiers_connector,
+    log,
+    recorder,
+)
 from benchmarks.bench_vllm_ttft import (
     BUILDER,
-    SETTLE_S,
     VLLM_PYTHON,
-    _close,
-    _example,
-    _kvtiers,
-    _log,
     engine_main,
     medians,
-    recorder,
     run_engine_side,
 )
 
@@ -126,40 +128,40 @@ def engine_side(model: str, work: Path, text_tokens: int, count: int) -> dict[st
     out: dict[str, Any] = {}
     put = recorder(out)
 
-    _log("no cache")
+    log("no cache")
     llm = _engine(model, None)
     _ttft(llm, warmup)
     put("none", _ttfts(llm, prompts))
-    _close(llm)
+    close_engine(llm)
 
-    _log("floor: vLLM prefix cache")
+    log("floor: vLLM prefix cache")
     llm = _engine(model, None, prefix_caching=True)
     _ttft(llm, warmup)
     _ttfts(llm, prompts)
     put("floor", _ttfts(llm, prompts))
-    _close(llm)
+    close_engine(llm)
 
-    kv = _kvtiers(work / "kv", None)
-    _log("kvtiers: fill")
+    kv = kvtiers_connector(work / "kv", None)
+    log("kvtiers: fill")
     llm = _engine(model, kv)
     _ttfts(llm, [warmup, *prompts])
-    _close(llm)
+    close_engine(llm)
     llm = _engine(model, kv)
     _ttft(llm, warmup)
     put("kv_lmdb", _ttfts(llm, prompts))
     put("kv_dram", _ttfts(llm, prompts))
     put("kv_other", _ttfts(llm, others))
-    _close(llm)
+    close_engine(llm)
 
-    ex = _example(work)
-    _log("ExampleConnector: fill")
+    ex = example_connector(work)
+    log("ExampleConnector: fill")
     llm = _engine(model, ex)
     _ttfts(llm, [warmup, *prompts])
-    _close(llm)
+    close_engine(llm)
     llm = _engine(model, ex)
     _ttft(llm, warmup)
     put("ex", _ttfts(llm, prompts))
-    _close(llm)
+    close_engine(llm)
     out["prompt_tokens"] = len(tokenizer.encode(texts[0])) + 8
     return out
 

@@ -30,21 +30,23 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Result
+from benchmarks._vllm_engine import (
+    close_engine,
+    fresh_each,
+    kvtiers_connector,
+    log,
+    make_engine,
+    recorder,
+    ttft,
+    ttfts,
+    uncached,
+)
 from benchmarks.bench_vllm_ttft import (
-    _close,
-    _engine,
-    _fresh_each,
-    _kvtiers,
-    _log,
-    _ttft,
-    _ttfts,
     case_rows,
     engine_data,
     engine_main,
     medians,
-    recorder,
     size_of,
-    uncached,
 )
 
 _MARK = "MAMBA_RESULT "
@@ -73,23 +75,23 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     (none,) = uncached(model, warmup, prompts)
     put("none", none)
 
-    _log("vLLM's align mode")
-    llm = _engine(model, None, **_ALIGN)
-    _ttft(llm, warmup)
-    put("align_unseen", _ttfts(llm, unseen))
-    _ttfts(llm, prompts)
-    put("floor", _ttfts(llm, prompts))
-    _close(llm)
+    log("vLLM's align mode")
+    llm = make_engine(model, None, **_ALIGN)
+    ttft(llm, warmup)
+    put("align_unseen", ttfts(llm, unseen))
+    ttfts(llm, prompts)
+    put("floor", ttfts(llm, prompts))
+    close_engine(llm)
 
-    kv = _kvtiers(work / "kv", None)
-    _log("kvtiers: fill")
-    llm = _engine(model, kv, **_ALIGN)
-    _ttfts(llm, [warmup, *prompts])
-    _close(llm)
-    put("lmdb", _fresh_each(model, kv, warmup, prompts, cold=False, **_ALIGN))
+    kv = kvtiers_connector(work / "kv", None)
+    log("kvtiers: fill")
+    llm = make_engine(model, kv, **_ALIGN)
+    ttfts(llm, [warmup, *prompts])
+    close_engine(llm)
+    put("lmdb", fresh_each(model, kv, warmup, prompts, cold=False, **_ALIGN))
     # NOTE: a fresh engine per prompt: two prompts that share a prefix make vLLM's own cache
     # keep a state where they part, from which a third resumes without kvtiers.
-    put("new", _fresh_each(model, kv, warmup, fresh, cold=False, **_ALIGN))
+    put("new", fresh_each(model, kv, warmup, fresh, cold=False, **_ALIGN))
     return out
 
 

@@ -21,10 +21,10 @@ after another with `VLLM_ENABLE_V1_MULTIPROCESSING=0`), medians over the prompts
   engine) and ExampleConnector (which keys whole prompts, so reuses nothing).
 
 vLLM's prefix cache is off in every engine but the floor's, so other hits come only from the
-connector. Before each request the script syncs and pauses `SETTLE_S`, so background work
-of the previous request (kvtiers' saves and promotions) does not overlap it; on a VM work
-right after a pause runs slower (`bench_idle` measures by how much). Goals: kvtiers'
-time above the floor at most half of ExampleConnector's (warm and cold); on new prompts
+connector. Before each request the script syncs and pauses `SETTLE_S` (in `_vllm_engine`),
+so background work of the previous request (kvtiers' saves and promotions) does not overlap
+it; on a VM work right after a pause runs slower (`bench_idle` measures by how much). Goals:
+kvtiers' time above the floor at most half of ExampleConnector's (warm and cold); on new prompts
 sharing the prefix, kvtiers' TTFT at most a quarter of no cache.
 
 The model is a random-weight Llama built offline (`tests/integrations/build_tiny_llama.py`),
@@ -45,20 +45,30 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Result, main
+from benchmarks._vllm_engine import (
+    BLOCK,
+    close_engine,
+    example_connector,
+    kvtiers_connector,
+    log,
+    make_engine,
+    recorder,
+    ttft,
+    ttfts,
+    uncached,
+    warm_floor,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BUILDER = ROOT / "tests" / "integrations" / "build_tiny_llama.py"
-BLOCK = 32
 _MARK = "TTFT_RESULT "
 # (layers, hidden, shared tokens, distinct tokens, prompts)
-SETTLE_S = 1.0  # pause before each timed request
 SIZES = {
     "full": (2, 256, 3584, 512, 5),
     "quick": (2, 256, 896, 128, 3),
@@ -68,140 +78,6 @@ SIZES = {
 }
 SIZE_ENV = "KVTIERS_TTFT_SIZE"
 """Names the size of a full run (default `full`): `KVTIERS_TTFT_SIZE=large`."""
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _engine(
-    model: str, connector: dict[str, Any] | None, *, prefix_caching: bool = False, **llm_args: Any
-) -> Any:
-    from vllm import LLM
-
-    return LLM(
-        model=model,
-        dtype="bfloat16",
-        enforce_eager=True,
-        block_size=BLOCK,
-        max_model_len=4608,  # 4,096-token prompts + 1 (VLLM_ALLOW_LONG_MAX_MODEL_LEN)
-        max_num_batched_tokens=4608,
-        enable_prefix_caching=prefix_caching,
-        kv_transfer_config=connector,
-        **llm_args,
-    )
-
-
-def _kvtiers(work: Path, chunk_size: int | None, *, dram: bool = True) -> dict[str, Any]:
-    lmdb = {"kind": "lmdb", "path": str(work / "lmdb"), "capacity": "4GiB"}
-    config = {"tiers": [{"kind": "dram", "capacity": "1GiB"}, lmdb] if dram else [lmdb]}
-    return {
-        "kv_connector": "KVTiersConnector",
-        "kv_role": "kv_both",
-        "kv_connector_module_path": "kvtiers.integrations.vllm",
-        "kv_connector_extra_config": {"config": config}
-        | ({} if chunk_size is None else {"chunk_size": chunk_size}),
-    }
-
-
-def _example(work: Path) -> dict[str, Any]:
-    return {
-        "kv_connector": "ExampleConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"shared_storage_path": str(work / "example")},
-    }
-
-
-def _close(llm: Any) -> None:
-    import gc
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-def _drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-def _ttft(llm: Any, prompt: list[int], *, cold: bool = False) -> tuple[float, int]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    # Requests are isolated: background work left by the previous one (a connector's saves,
-    # promotions, dirty pages) settles first, so it does not land in this request's time.
-    os.sync()
-    time.sleep(SETTLE_S)
-    if cold:
-        _drop_caches()
-    start = time.perf_counter()
-    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return time.perf_counter() - start, out.num_cached_tokens or 0
-
-
-def _ttfts(
-    llm: Any, prompts: list[list[int]], *, cold: bool = False
-) -> tuple[list[float], list[int]]:
-    pairs = [_ttft(llm, p, cold=cold) for p in prompts]
-    return [t for t, _ in pairs], [c for _, c in pairs]
-
-
-Row = tuple[list[float], list[int]]
-"""A row's timings: seconds per request, and the tokens each found cached."""
-
-
-def recorder(out: dict[str, Any]) -> Callable[[str, Row], None]:
-    """Return `put(row, timings)`: keep a row's timings in `out` (and its cached tokens under
-    `cached_<row>`), and log them."""
-
-    def put(row: str, res: Row) -> None:
-        out[row], out[f"cached_{row}"] = res
-        _log(f"{row}: {[round(t * 1e3) for t in res[0]]} ms, cached {res[1]}")
-
-    return put
-
-
-def uncached(model: str, warmup: list[int], *prompt_sets: list[list[int]]) -> list[Row]:
-    """Time each set of prompts on one engine without any cache, after an untimed warm-up."""
-    _log("no cache")
-    llm = _engine(model, None)
-    _ttft(llm, warmup)
-    rows = [_ttfts(llm, prompts) for prompts in prompt_sets]
-    _close(llm)
-    return rows
-
-
-def _floor(
-    model: str, warmup: list[int], prompts: list[list[int]]
-) -> tuple[list[float], list[int]]:
-    """Time `prompts` on vLLM's own prefix cache, warm (each prompt's second request)."""
-    _log("floor: vLLM prefix cache")
-    llm = _engine(model, None, prefix_caching=True)
-    _ttft(llm, warmup)
-    _ttfts(llm, prompts)
-    res = _ttfts(llm, prompts)
-    _close(llm)
-    return res
-
-
-def _fresh_each(
-    model: str, connector: dict[str, Any], warmup: list[int], prompts: list[list[int]], *,
-    cold: bool, **llm_args: Any,
-) -> tuple[list[float], list[int]]:  # fmt: skip
-    """One fresh engine per request: nothing of the previous request is in its memory.
-
-    Each engine first answers `warmup` (stored too, so the load path is warm) untimed."""
-    times, cached = [], []
-    for prompt in prompts:
-        llm = _engine(model, connector, **llm_args)
-        _ttft(llm, warmup)
-        t, c = _ttft(llm, prompt, cold=cold)
-        _close(llm)
-        times.append(t)
-        cached.append(c)
-    return times, cached
 
 
 def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) -> dict[str, Any]:
@@ -224,40 +100,40 @@ def engine_side(model: str, work: Path, shared: int, distinct: int, count: int) 
     put("none", none)
     put("none_new", none_new)
 
-    put("floor", _floor(model, warmup, prompts))
+    put("floor", warm_floor(model, warmup, prompts))
 
     for tag, chunk in (("kv", None), ("kv32", BLOCK)):
-        kv = _kvtiers(work / tag, chunk)
-        _log(f"kvtiers (chunk_size {chunk or 'default'}): fill")
-        llm = _engine(model, kv)
-        _ttfts(llm, [warmup, *prompts])
-        _close(llm)
+        kv = kvtiers_connector(work / tag, chunk)
+        log(f"kvtiers (chunk_size {chunk or 'default'}): fill")
+        llm = make_engine(model, kv)
+        ttfts(llm, [warmup, *prompts])
+        close_engine(llm)
         # The LMDB rows: the same LMDB alone, so every request reads it (one engine, as
         # ExampleConnector's rows; `warmup` warms the load path).
-        llm = _engine(model, _kvtiers(work / tag, chunk, dram=False))
-        _ttft(llm, warmup)
-        put(f"{tag}_lmdb_warm", _ttfts(llm, prompts))
+        llm = make_engine(model, kvtiers_connector(work / tag, chunk, dram=False))
+        ttft(llm, warmup)
+        put(f"{tag}_lmdb_warm", ttfts(llm, prompts))
         if can_drop:
-            put(f"{tag}_lmdb_cold", _ttfts(llm, prompts, cold=True))
-        _close(llm)
-        llm = _engine(model, kv)
-        _ttfts(llm, prompts)  # loads from LMDB, promotes into DRAM
-        put(f"{tag}_dram", _ttfts(llm, prompts))
-        put(f"{tag}_new", _ttfts(llm, fresh))
-        _close(llm)
+            put(f"{tag}_lmdb_cold", ttfts(llm, prompts, cold=True))
+        close_engine(llm)
+        llm = make_engine(model, kv)
+        ttfts(llm, prompts)  # loads from LMDB, promotes into DRAM
+        put(f"{tag}_dram", ttfts(llm, prompts))
+        put(f"{tag}_new", ttfts(llm, fresh))
+        close_engine(llm)
 
-    ex = _example(work)
-    _log("ExampleConnector: fill")
-    llm = _engine(model, ex)
-    _ttfts(llm, [warmup, *prompts])
-    _close(llm)
-    llm = _engine(model, ex)
-    _ttft(llm, warmup)
-    put("ex_warm", _ttfts(llm, prompts))
+    ex = example_connector(work)
+    log("ExampleConnector: fill")
+    llm = make_engine(model, ex)
+    ttfts(llm, [warmup, *prompts])
+    close_engine(llm)
+    llm = make_engine(model, ex)
+    ttft(llm, warmup)
+    put("ex_warm", ttfts(llm, prompts))
     if can_drop:
-        put("ex_cold", _ttfts(llm, prompts, cold=True))
-    put("ex_new", _ttfts(llm, fresh))
-    _close(llm)
+        put("ex_cold", ttfts(llm, prompts, cold=True))
+    put("ex_new", ttfts(llm, fresh))
+    close_engine(llm)
     return out
 
 
