@@ -153,9 +153,7 @@ class StateStore:
         states = self.entry.cache
         kept = await self._on_states(states.contains_keys(states.chunk_keys(found.keys)))
         last = max((i + 1 for i, hit in enumerate(kept) if hit), default=0)
-        return LookupResult(
-            last * cache.layout.chunk_size, found.tiers[:last], found.keys[:last]
-        )
+        return LookupResult(last * cache.layout.chunk_size, found.tiers[:last], found.keys[:last])
 
     def save(
         self, tokens: Any, salt: Salt, blocks: Sequence[int], cold: bool = False
