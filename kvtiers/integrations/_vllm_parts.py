@@ -24,6 +24,7 @@ from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._amx import request_amx_tiles
 from kvtiers.integrations._runtime import CACHES, LoopThread, SharedCache, config_identity
 from kvtiers.integrations._vllm_channel import LookupClient, LookupServer, socket_path
+from kvtiers.integrations._vllm_kv import PagedLayout
 from kvtiers.integrations._vllm_mamba import MambaPages, StateStore, state_layout
 from kvtiers.integrations._vllm_plan import ConnectorSettings
 from kvtiers.integrations._vllm_scheduler import Lookup
@@ -118,7 +119,7 @@ class ConnectorParts:
             Exception: whatever opening the tiers or the server raised; what was opened
                 before it is released by `close`.
         """
-        topology, settings = self._topology, self._settings
+        topology = self._topology
         if next(iter(kv_caches.values())).device.type == "cpu" and request_amx_tiles():
             # NOTE: or a load of all but a token, as a fresh engine's first forward pass,
             # dies in vLLM's AMX attention kernel (see `_amx`).
@@ -130,31 +131,11 @@ class ConnectorParts:
             attention,
             block_size=block_size,
             chunk_size=chunk_size,
-            model_name=settings.model_name,
+            model_name=self._settings.model_name,
         )
         rank = topology.rank()
-        source = settings.tiers_source()
-        entry = CACHES.acquire(
-            (config_identity(source), layout),
-            lambda: TieredCache.from_config(source, layout=layout),
-        )
-        self.entry = entry
-        CACHES.publish(self._engine_id, rank, entry)
-        states = None
-        if mamba:
-            states = self._open_states(
-                entry, {n: t for n, t in kv_caches.items() if n in mamba}, layout
-            )
-        worker = WorkerSide(
-            settings,
-            entry,
-            attention,
-            paged,
-            layout,
-            groups=topology.layer_groups,
-            async_loads=topology.hybrid,
-            states=states,
-        )
+        entry, states = self._open_caches(kv_caches, layout, rank)
+        worker = self._new_worker(entry, attention, paged, layout, states)
         path = self._serve_lookups(entry, worker, states, rank)
         logger.info(
             "kvtiers: worker rank %d serves %s (%s layout, chunk %d tokens, lookups on %s)",
@@ -165,6 +146,46 @@ class ConnectorParts:
             path,
         )
         return worker
+
+    def _open_caches(
+        self, kv_caches: dict[str, torch.Tensor], layout: KVLayout, rank: int
+    ) -> tuple[SharedCache, StateStore | None]:
+        """Open this rank's cache and publish it, then its states' cache (Mamba layers)."""
+        source = self._settings.tiers_source()
+        entry = CACHES.acquire(
+            (config_identity(source), layout),
+            lambda: TieredCache.from_config(source, layout=layout),
+        )
+        self.entry = entry
+        CACHES.publish(self._engine_id, rank, entry)
+        mamba = self._topology.mamba_layers
+        if not mamba:
+            return entry, None
+        states = self._open_states(
+            entry, {n: t for n, t in kv_caches.items() if n in mamba}, layout
+        )
+        return entry, states
+
+    def _new_worker(
+        self,
+        entry: SharedCache,
+        attention: dict[str, torch.Tensor],
+        paged: PagedLayout,
+        layout: KVLayout,
+        states: StateStore | None,
+    ) -> WorkerSide:
+        """Return the worker side over vLLM's `attention` layers and `entry`."""
+        topology = self._topology
+        return WorkerSide(
+            self._settings,
+            entry,
+            attention,
+            paged,
+            layout,
+            groups=topology.layer_groups,
+            async_loads=topology.hybrid,
+            states=states,
+        )
 
     def _serve_lookups(
         self, entry: SharedCache, worker: WorkerSide, states: StateStore | None, rank: int

@@ -114,6 +114,13 @@ class ConnectorSettings:
         return settings
 
     def _check(self) -> None:
+        """Raise `ConfigError` naming the first key found with a bad value."""
+        self._check_caching()
+        self._check_waits()
+        self._check_limits()
+
+    def _check_caching(self) -> None:
+        """Check the configs, the chunk size, the model name and `store_generated`."""
         for name in ("config", "mamba_config"):
             if not isinstance(getattr(self, name), str | Mapping | None):
                 raise ConfigError(f"{_WHERE}.{name}: expected a file path or a table")
@@ -129,6 +136,9 @@ class ConnectorSettings:
             raise ConfigError(f"{_WHERE}.model_name: expected a non-empty string")
         if not isinstance(self.store_generated, bool):
             raise ConfigError(f"{_WHERE}.store_generated: expected true or false")
+
+    def _check_waits(self) -> None:
+        """Check the waits and timeouts: each a non-negative finite number."""
         for name in (
             "lookup_wait_ms",
             "lookup_deadline_s",
@@ -145,6 +155,9 @@ class ConnectorSettings:
                 raise ConfigError(
                     f"{_WHERE}.{name}: expected a non-negative finite number, got {value}"
                 )
+
+    def _check_limits(self) -> None:
+        """Check the sizes, the socket folder and what a failed load does."""
         for name in ("max_pending_saves", "event_chunks"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:

@@ -1,25 +1,23 @@
 """The scheduler side of the vLLM connector: lookups, load and save planning.
 
+Each request's lookup is started and awaited by `_vllm_lookups`; this module turns its
+answer into vLLM's and plans each step's loads and saves.
+
 vLLM objects are used duck-typed (`request.request_id`, `all_token_ids`, ...), so this
 module imports no vLLM and is tested with stand-ins.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from kvtiers.core.index import LookupResult
 from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._vllm_counts import COUNTERS
 from kvtiers.integrations._vllm_events import block_origin
 from kvtiers.integrations._vllm_handoff import HandoffWaits, Role, announce, params_of
+from kvtiers.integrations._vllm_lookups import Lookup, Lookups
 from kvtiers.integrations._vllm_plan import (
     BlockOrigin,
     ConnectorSettings,
@@ -32,14 +30,9 @@ from kvtiers.integrations._vllm_plan import (
 from kvtiers.integrations._vllm_prompt import has_items, keyable
 from kvtiers.integrations._vllm_sources import tokens_by_tier
 from kvtiers.integrations._vllm_states import StatePlanner
-from kvtiers.integrations._vllm_tracked import Salt, Tracked, salt_of
+from kvtiers.integrations._vllm_tracked import Tracked, salt_of
 
 __all__ = ["Lookup", "SchedulerSide"]
-
-logger = logging.getLogger("kvtiers.vllm")
-
-Lookup = Callable[[npt.NDArray[np.int64], Salt], "concurrent.futures.Future[LookupResult]"]
-"""Start a lookup of a token prefix; the future gives the cached length and its tiers."""
 
 
 class SchedulerSide:
@@ -84,8 +77,6 @@ class SchedulerSide:
         self._block = block_size
         self._multimodal = multimodal
         self._chunk = chunk_size
-        self._make_lookup = lookup
-        self._lookup: Lookup | None = None
         self._clock = clock
         self._kv_events = kv_events
         self._role = role or Role.of(None)
@@ -93,6 +84,7 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._counts = Counters(COUNTERS)
         self._handoffs = HandoffWaits(settings, clock, self._count)
+        self._lookups = Lookups(settings, lookup, clock, self._handoffs, self._count)
         self._states = StatePlanner(mamba_groups, block_size, self._count) if mamba_groups else None
 
     # -- requests ----------------------------------------------------------------------
@@ -138,7 +130,7 @@ class SchedulerSide:
         if tracked.answer is None:
             if tracked.future is None and self._clock() < tracked.next_lookup_at:
                 return self._ask_later()
-            hit = self._await_lookup(tracked, whole)
+            hit = self._lookups.await_hit(tracked, whole)
             if hit is not None and tracked.awaited:
                 hit = self._handoffs.answer(
                     tracked, hit, min(tracked.awaited, whole), num_computed_tokens
@@ -154,52 +146,6 @@ class SchedulerSide:
         """Answer 'ask again later', and tell this step's workers a request waits."""
         self._plan.waiting = True
         return None, False
-
-    def _await_lookup(self, tracked: Tracked, limit: int) -> int | None:
-        if tracked.future is None:
-            try:
-                if self._lookup is None:
-                    self._lookup = self._make_lookup()
-                tracked.future = self._lookup(tracked.keyed(limit), tracked.salt)
-            except Exception:
-                logger.exception("kvtiers: starting a lookup failed; served as a miss")
-                self._count("lookup_errors")
-                return 0
-            tracked.asked_at = self._clock()
-            self._count("lookups")
-            self._count("lookup_tokens", limit)
-        future, deadline = tracked.future, tracked.asked_at + self._settings.lookup_deadline_s
-        wait_s = self._settings.lookup_wait_ms / 1000
-        # NOTE: a request waiting for announced KV is looked up again step after step; its
-        # lookups must not hold up vLLM's scheduler (their answers are taken at a later
-        # call), nor outlast the wait (which then serves what earlier lookups found).
-        handoff_end = self._handoffs.end(tracked)
-        if handoff_end is not None:
-            deadline, wait_s = min(deadline, handoff_end), 0
-        try:
-            found = future.result(timeout=wait_s)
-            hit, tracked.tiers = found.num_tokens, found.tiers
-        except concurrent.futures.TimeoutError:
-            if self._clock() < deadline:
-                self._count("lookup_retries")
-                return None
-            future.cancel()
-            logger.warning(
-                "kvtiers: a lookup ran for %.3gs; served as a miss",
-                self._clock() - tracked.asked_at,
-            )
-            self._count("lookup_timeouts")
-            hit = 0
-        except Exception as exc:
-            # NOTE: a request waiting for announced KV looks up every poll; one warning
-            # (its first lookup's) is enough, the rest are counted.
-            log = logger.debug if handoff_end is not None else logger.warning
-            log("kvtiers: a lookup failed (%s); served as a miss", exc)
-            self._count("lookup_errors")
-            hit = 0
-        tracked.future = None
-        self._count("lookup_hit_tokens", hit)
-        return hit
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int

@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvtiers.core.layout import KVLayout
 from kvtiers.integrations._vllm_kv import PagedLayout, detect_layout
+from kvtiers.integrations._vllm_plan import chunk_size_for
 
 __all__ = ["Topology"]
 
@@ -118,6 +119,21 @@ class Topology:
         """Return this worker's rank in its engine (`pp_rank * tp_size + tp_rank`)."""
         tp_rank = _tp_rank() if self.tp_size > 1 else 0
         return _pp_rank() * self.tp_size + tp_rank if self.pp_size > 1 else tp_rank
+
+    def chunk_size(self, block_size: int, requested: int | None) -> int:
+        """Return the chunk size for this model (`_vllm_plan.chunk_size_for`).
+
+        Raises:
+            ConfigError: `requested` does not suit the block size or the model's sliding
+                windows, local attention or recurrent states.
+        """
+        return chunk_size_for(
+            block_size,
+            requested,
+            self.window,
+            self.attention_chunk,
+            state_space=bool(self.mamba_groups),
+        )
 
     def worker_layout(
         self,

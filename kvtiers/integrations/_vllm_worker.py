@@ -18,8 +18,8 @@ Under vLLM's hybrid KV-cache manager (sliding-window or chunked-local-attention 
 beside full-attention ones) each layer moves through the blocks of its KV-cache group, and
 loads are asynchronous: vLLM takes no block-level load errors with several groups, so the
 request waits while its chunks are read, `take_loads` writes every layer at once (skipping
-the null blocks vLLM freed) and reports the request received, or failed, which vLLM
-recomputes whole.
+the null blocks vLLM freed; `kvtiers.integrations._vllm_async_loads`) and reports the
+request received, or failed, which vLLM recomputes whole.
 
 vLLM objects are not imported here; the connector passes tensors and plans.
 """
@@ -40,16 +40,10 @@ from kvtiers.gpu._streams import CopyStream, Event
 from kvtiers.integrations._counters import Counters
 from kvtiers.integrations._runtime import SharedCache
 from kvtiers.integrations._staging import StagingTensors
+from kvtiers.integrations._vllm_async_loads import settle_whole
 from kvtiers.integrations._vllm_counts import COUNTERS, HITS_PREFIX
 from kvtiers.integrations._vllm_kv import PagedLayout
-from kvtiers.integrations._vllm_loads import (
-    LayerSet,
-    Load,
-    idle_wait,
-    layer_order,
-    load_from,
-    write_whole,
-)
+from kvtiers.integrations._vllm_loads import LayerSet, Load, idle_wait, layer_order, load_from
 from kvtiers.integrations._vllm_mamba import StateStore
 from kvtiers.integrations._vllm_plan import ConnectorSettings, StepPlan, tokens_of
 from kvtiers.integrations._vllm_saves import SaveSide
@@ -294,23 +288,8 @@ class WorkerSide:
                 still.append(job)
                 continue
             received.add(spec.req_id)
-            try:
-                loaded = job.future.result(timeout=0)
-                if loaded < spec.end:
-                    raise RuntimeError(f"{loaded} of {spec.end} tokens found")
-                write_whole(self._kv, job)
-                if spec.state_blocks and self._states is not None:  # one with the other
-                    self._states.write(spec)
-                self._staging.release(job.staging, job.future)
-                self._count("loaded_tokens", spec.end - spec.start)
-            except Exception as exc:
-                job.future.cancel()
-                if self._states is not None:
-                    self._states.drop(spec.req_id)
-                logger.warning("kvtiers: a load failed (%s); vLLM recomputes", exc)
+            if not settle_whole(job, self._kv, self._staging, self._states, self._count):
                 failed.add(spec.req_id)
-                self._count("load_errors")
-                self._count("load_failed_tokens", spec.end - spec.start)
         self._waiting = still
         return received, failed
 

@@ -43,11 +43,7 @@ from kvtiers.integrations._vllm_messages import (
     to_vllm_event,
 )
 from kvtiers.integrations._vllm_parts import ConnectorParts
-from kvtiers.integrations._vllm_plan import (
-    ConnectorSettings,
-    StepPlan,
-    chunk_size_for,
-)
+from kvtiers.integrations._vllm_plan import ConnectorSettings, StepPlan
 from kvtiers.integrations._vllm_prom import KVTiersPromMetrics
 from kvtiers.integrations._vllm_prompt import items_hashed
 from kvtiers.integrations._vllm_scheduler import SchedulerSide
@@ -84,31 +80,9 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._settings = ConnectorSettings.from_extra(extra)
         self._role = Role.of(self._kv_transfer_config.kv_role)
-        if self._settings.store_generated and not self._role.saves:
-            raise ConfigError(
-                "kv_connector_extra_config.store_generated: a kv_consumer stores nothing; "
-                "use kv_role kv_both or kv_producer, or set store_generated = false"
-            )
-        # NOTE: a tiers config that cannot be read, or names a bad tier, stops the engine at
-        # start-up like a bad extra-config key (a typo must not silently cost all caching);
-        # tiers of a valid config that fail to open (a store unreachable) leave it off.
-        tiers = TieredCache.check_tiers(self._settings.tiers_source()).tiers
-        self._hit_sources = sources_of(tiers)
-        self._topology = Topology.of(
-            vllm_config, kv_cache_config, store_generated=self._settings.store_generated
-        )
-        if self._topology.mamba_groups:
-            TieredCache.check_tiers(self._settings.states_config())
-        elif self._settings.mamba_config is not None:
-            logger.warning("kvtiers: the model has no Mamba layers; mamba_config is unused")
+        self._check_config(vllm_config, kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
-        self._chunk_size = chunk_size_for(
-            self._block_size,
-            self._settings.chunk_size,
-            self._topology.window,
-            self._topology.attention_chunk,
-            state_space=bool(self._topology.mamba_groups),
-        )
+        self._chunk_size = self._topology.chunk_size(self._block_size, self._settings.chunk_size)
         self._parts = ConnectorParts(
             self._settings,
             self._topology,
@@ -126,6 +100,26 @@ class KVTiersConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._open_scheduler_side(vllm_config)
         self._finalizer = weakref.finalize(self, self._parts.close)
+
+    def _check_config(self, vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+        """Check the settings against the role, tiers and model; set `_hit_sources`, `_topology`."""
+        if self._settings.store_generated and not self._role.saves:
+            raise ConfigError(
+                "kv_connector_extra_config.store_generated: a kv_consumer stores nothing; "
+                "use kv_role kv_both or kv_producer, or set store_generated = false"
+            )
+        # NOTE: a tiers config that cannot be read, or names a bad tier, stops the engine at
+        # start-up like a bad extra-config key (a typo must not silently cost all caching);
+        # tiers of a valid config that fail to open (a store unreachable) leave it off.
+        tiers = TieredCache.check_tiers(self._settings.tiers_source()).tiers
+        self._hit_sources = sources_of(tiers)
+        self._topology = Topology.of(
+            vllm_config, kv_cache_config, store_generated=self._settings.store_generated
+        )
+        if self._topology.mamba_groups:
+            TieredCache.check_tiers(self._settings.states_config())
+        elif self._settings.mamba_config is not None:
+            logger.warning("kvtiers: the model has no Mamba layers; mamba_config is unused")
 
     def _open_scheduler_side(self, vllm_config: VllmConfig) -> None:
         """Build the scheduler side: lookups, load and save planning, event quorum."""
