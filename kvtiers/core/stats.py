@@ -138,6 +138,15 @@ class TierCounters:
     unavailable: int = 0
     """Calls answered with misses at once, sending no request, because the store's circuit
     breaker was open."""
+    cold_puts: int = 0
+    """Chunks that entered the tier cold, past a reuse hint (`store(..., keep_tokens=)`):
+    kept apart to be evicted first. For a memory tier its policy at the cache counts them;
+    a tier that evicts by itself (lmdb, remote, redis, mooncake) counts those it wrote."""
+    cold_hits: int = 0
+    """Of `cold_puts`, chunks read while still cold: the hint was wrong for them. A tier
+    that evicts by itself counts the reads this process made (lmdb: as it records their
+    recency, with its next write or at close); a chunk another process wrote cold counts
+    here too, without a `cold_puts` of this process."""
     latency: dict[str, LatencyHistogram] = field(default_factory=dict)
     """Durations of the cache's calls to the tier, by operation ("contains", "get", "put",
     "delete")."""
@@ -205,6 +214,8 @@ class TierStats:
     errors: int = 0
     timeouts: int = 0
     unavailable: int = 0
+    cold_puts: int = 0
+    cold_hits: int = 0
     latency: dict[str, LatencySnapshot] = field(default_factory=dict)
     breaker: str | None = None
     """The state of the tier's circuit breaker ("closed", "open", "half_open"); `None` for a
@@ -212,11 +223,6 @@ class TierStats:
     io: dict[str, int] = field(default_factory=dict)
     """What requests to the tier's store went through (requests, retries, failures,
     timeouts, refused, dropped_writes, full); empty for a tier without a remote store."""
-    cold_puts: int = 0
-    """Chunks that entered the tier cold, past a reuse hint (`store(..., keep_tokens=)`);
-    counted for the tiers the cache evicts (memory tiers), 0 for the others."""
-    cold_hits: int = 0
-    """Of `cold_puts`, chunks hit while still cold: the hint was wrong for them."""
 
 
 @dataclass(frozen=True, slots=True)

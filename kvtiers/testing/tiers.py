@@ -171,6 +171,21 @@ class TierTests:
             found = await tier.contains([a[0], b[0], c[0], e[0], f[0]])
             assert found == [False, True, True, True, True]
 
+    async def test_cold_puts_and_hits_while_cold_are_counted(self, tmp_path: Path) -> None:
+        if not self.evicts_cold_first:
+            pytest.skip("the tier takes no reuse hint: the cache's policy counts for it")
+        a, b = self.keys(3), self.keys(1, seed=1)
+        async with self.open_tier(tmp_path, num_chunks=8) as tier:
+            assert await tier.put_hinted(a, self.payloads(3), cold=set(a[1:])) == [True] * 3
+            assert await tier.get(a[1:2], self.dsts(1)) == [True]  # a wrong hint
+            assert await tier.get(a[1:2], self.dsts(1)) == [True]  # warm since the first read
+            # Held already: nothing is written, so nothing is stored cold again.
+            assert await tier.put_hinted(a, self.payloads(3), cold=set(a)) == [True] * 3
+            await tier.put(b, self.payloads(1))  # lmdb records reads' recency with a write
+            stats = tier.stats()
+            got = (stats.cold_puts, stats.cold_hits, stats.puts)
+            assert got == (2, 1, 4)
+
     async def test_roundtrip_strided(self, tier: Tier) -> None:
         keys, srcs = self.keys(4), self.payloads(4)
         src_base, src_views = self.strided(4)
@@ -193,9 +208,10 @@ class TierTests:
     async def test_put_existing_key_is_kept(self, tier: Tier) -> None:
         keys, srcs = self.keys(3), self.payloads(3)
         await tier.put(keys, srcs)
-        usage = tier.usage()
+        usage, puts = tier.usage(), tier.stats().puts
         assert await tier.put(keys, srcs) == [True] * 3
         assert tier.usage() == usage
+        assert tier.stats().puts == puts  # nothing written again
 
     # -- contains, delete, misses ----------------------------------------------------------
 

@@ -181,15 +181,20 @@ class Writer:
         """
         return entry_size(self.txn, self.dbs, key)
 
-    def touch(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+    def touch(self, keys: Sequence[bytes], sizes: Sequence[int]) -> int:
         """Make `keys` (values of `sizes` bytes) the most recently used, the last the oldest.
 
         Keys come prefix-first, so a chain's deepest chunk is evicted before its prefix.
+
+        Returns:
+            How many of `keys` were parked (see `park`) until now.
         """
         base, n = self.next_seq, len(keys)
         self.next_seq += n
-        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+        return sum(
             self._place(key, size, _U64.pack(base + n - 1 - i))
+            for i, (key, size) in enumerate(zip(keys, sizes, strict=True))
+        )
 
     def park(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
         """Put `keys` first in line for eviction (sequence 0): no reuse is expected.
@@ -199,13 +204,16 @@ class Writer:
         for key, size in zip(keys, sizes, strict=True):
             self._place(key, size, _PARKED)
 
-    def _place(self, key: bytes, size: int, seq: bytes) -> None:
-        """Give `key` (a value of `size` bytes) the recency `seq`."""
+    def _place(self, key: bytes, size: int, seq: bytes) -> bool:
+        """Give `key` (a value of `size` bytes) the recency `seq`; return if it was parked."""
         old = self.txn.get(key, db=self.dbs.seqs)
+        was_parked = False
         if old is not None:
+            was_parked = old[: _U64.size] == _PARKED
             self.txn.delete(bytes(old[: _U64.size]) + key, db=self.dbs.lru)
         self.txn.put(seq + key, b"", db=self.dbs.lru)
         self.txn.put(key, seq + _U64.pack(size), db=self.dbs.seqs)
+        return was_parked
 
     def insert(self, key: bytes, value: bytes | memoryview) -> None:
         self.txn.put(key, value, db=self.dbs.chunks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from kvtiers.tiers.base import Buffer
 
 __all__ = [
     "PendingTouches",
+    "Stored",
     "ValuePacker",
     "last_touches",
     "record_touches",
@@ -67,11 +69,17 @@ class PendingTouches:
             self._batches.clear()
 
 
-def record_touches(writer: Writer, batches: list[list[ChunkKey]]) -> None:
-    """Touch the keys of `batches` that `writer` holds, in the order touched."""
+def record_touches(writer: Writer, batches: list[list[ChunkKey]]) -> int:
+    """Touch the keys of `batches` that `writer` holds, in the order touched.
+
+    Returns:
+        How many of them were parked (stored cold, not read since) until now.
+    """
+    unparked = 0
     for batch in last_touches(batches):
         held = [(key, size) for key in batch if (size := writer.size(key)) is not None]
-        writer.touch([key for key, _ in held], [size for _, size in held])
+        unparked += writer.touch([key for key, _ in held], [size for _, size in held])
+    return unparked
 
 
 def last_touches(batches: list[list[ChunkKey]]) -> list[list[ChunkKey]]:
@@ -120,6 +128,19 @@ class ValuePacker:
         return fmt.pack_value_into(out, self.fingerprint, key, flat.data, auth_key=self.auth_key)
 
 
+class Stored(NamedTuple):
+    """What a batch's write (`store_new`) left in the tier."""
+
+    held: set[bytes]
+    """The batch's keys the tier holds after the write."""
+    new: int
+    """Keys written, the cold ones included."""
+    declined: int
+    """Keys not written for want of room."""
+    parked: int
+    """Of `new`, keys written cold (first in line for eviction)."""
+
+
 def store_new(
     writer: Writer,
     keys: Sequence[ChunkKey],
@@ -127,7 +148,7 @@ def store_new(
     packer: ValuePacker,
     limit: int,
     cold: frozenset[bytes] = frozenset(),
-) -> tuple[set[bytes], int, int]:
+) -> Stored:
     """Write the batch's new keys that fit, evicting the oldest entries first.
 
     The tier holds at most `limit` bytes of values; `packer` packs each new chunk. New keys
@@ -136,7 +157,7 @@ def store_new(
     deeper key); the batch's other keys become the most recently used.
 
     Returns:
-        The batch's keys held after the write, how many were new, how many declined.
+        What the batch left: see `Stored`.
     """
     value_len = packer.value_len
     srcs_by_key = dict(zip(keys, srcs, strict=True))
@@ -168,4 +189,5 @@ def store_new(
     parked = {key: kept.pop(key) for key in new if key in cold} if cold else {}
     writer.touch(list(kept), list(kept.values()))
     writer.park(list(parked), list(parked.values()))
-    return set(kept) | set(parked), len(new), len(srcs_by_key) - len(kept) - len(parked)
+    declined = len(srcs_by_key) - len(kept) - len(parked)
+    return Stored(set(kept) | set(parked), len(new), declined, len(parked))

@@ -41,38 +41,51 @@ class KnownChunks:
         if key not in self._cold:
             self._keys[key] = None
 
-    def settle(self, keys: Sequence[ChunkKey], cold: Collection[ChunkKey]) -> None:
+    def settle(self, keys: Sequence[ChunkKey], cold: Collection[ChunkKey]) -> int:
         """Make a batch's known `keys` (prefix first) the most recent, the prefix first.
 
         Those among `cold` (put with no reuse expected) become the newest cold chunks
         instead, the last one first: cold chunks are evicted before all others until read.
+
+        Returns:
+            How many known keys became cold.
         """
+        parked = 0
         for key in reversed(keys):
             if key in self:
                 self._keys.pop(key, None)
                 self._cold.pop(key, None)
+                parked += key in cold
                 (self._cold if key in cold else self._keys)[key] = None
+        return parked
 
     def forget(self, key: ChunkKey) -> None:
         """Drop `key` from the record, if it is there."""
         self._keys.pop(key, None)
         self._cold.pop(key, None)
 
-    def note_reads(self, keys: Sequence[ChunkKey], hits: Sequence[bool]) -> None:
+    def note_reads(self, keys: Sequence[ChunkKey], hits: Sequence[bool]) -> int:
         """Record a read: each hit becomes the most recent, each miss is forgotten.
 
         Hits on other processes' chunks may take the record past `max_entries`; the
         least recent are then forgotten (not evicted: they stay in the pool).
+
+        Returns:
+            How many hits were cold chunks (put cold here, not read since).
         """
+        cold_hits = 0
         for key, hit in zip(keys, hits, strict=True):
+            was_cold = key in self._cold
             self._cold.pop(key, None)
             if hit:
+                cold_hits += was_cold
                 self._keys[key] = None
                 self._keys.move_to_end(key)
             else:
                 self._keys.pop(key, None)
         while len(self) > self.max_entries:  # others' chunks read: forget the oldest
             (self._cold or self._keys).popitem(last=False)
+        return cold_hits
 
     def admit(
         self,

@@ -1,7 +1,8 @@
 """The redis tier's requests on one layout's keys: pipelines and scripts, no accounting.
 
 Each method is one round trip to the server. Those that touch the recency set return its
-size as the server answered it (the tier's usage), or `None` when the request did not ask.
+size as the server answered it (the tier's usage), or `None` when the request did not ask;
+reads that touch also say how many of the chunks read were cold (`Touched`).
 Errors propagate to the caller, which runs every request behind the tier's `StoreGuard`.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -20,7 +21,29 @@ from kvtiers.tiers._redis_layers import LayerRanges, Ranged
 from kvtiers.tiers._redis_scripts import COLD_SHIFT, PUT_SCRIPT, TOUCH_SCRIPT
 from kvtiers.tiers._remote_layers import LayerPlan
 
-__all__ = ["RedisRequests"]
+__all__ = ["RedisRequests", "Touched", "Written"]
+
+
+class Written(NamedTuple):
+    """What a write's script call answered."""
+
+    held: list[bool]
+    """Per key, whether the chunk is held after the call (written now, or before)."""
+    new: list[ChunkKey]
+    """The keys written by this call."""
+    entries: int
+    """The recency set's size after the call."""
+    evicted: list[ChunkKey]
+    """The chunks the call evicted (for room, or past their ttl)."""
+
+
+class Touched(NamedTuple):
+    """What a read's touch of the recency set answered."""
+
+    entries: int
+    """The recency set's size: every chunk of the layout, of every process."""
+    were_cold: int
+    """Chunks read that were cold (written cold, not read since) until this touch."""
 
 
 class RedisRequests:
@@ -51,7 +74,7 @@ class RedisRequests:
         return self.chunk_prefix + key
 
     def _touch(self, pipe: Any, names: Sequence[bytes]) -> None:
-        """Queue the recency update of `names` (it answers the recency set's size)."""
+        """Queue the recency update of `names` (it answers a `Touched`'s two numbers)."""
         pipe.eval(TOUCH_SCRIPT, len(names) + 1, self.lru, *names, repr(time.time()))
 
     async def max_value_bytes(self) -> int | None:
@@ -80,7 +103,7 @@ class RedisRequests:
 
     async def read(
         self, keys: Sequence[ChunkKey], touch: bool
-    ) -> tuple[list[bytes | None], int | None]:
+    ) -> tuple[list[bytes | None], Touched | None]:
         """Read the values of `keys` (`None`: none) and, when `touch`, touch them."""
         names = [self.name(key) for key in keys]
         pipe = self.redis.pipeline(transaction=False)
@@ -93,11 +116,11 @@ class RedisRequests:
         if touch:  # not for a later wave of a layer-wise load: the first touched them
             self._touch(pipe, names)
         values, rest = read_answers(await pipe.execute(raise_on_error=False), len(names))
-        return values, _count(rest) if touch else None
+        return values, _touched(rest) if touch else None
 
     async def read_ranges(
         self, keys: Sequence[ChunkKey], plan: LayerPlan, touch: bool
-    ) -> tuple[list[Ranged], int | None]:
+    ) -> tuple[list[Ranged], Touched | None]:
         """Read the ranges of each key's value (empty for a missing value); touch if asked."""
         names = [self.name(key) for key in keys]
         pipe = self.redis.pipeline(transaction=False)
@@ -108,7 +131,7 @@ class RedisRequests:
             for name in names if self.ttl_ms else ():
                 pipe.pexpire(name, self.ttl_ms)  # a GET refreshes it with GETEX
         reads, rest = read_answers(await pipe.execute(raise_on_error=False), num_reads)
-        return self._ranges.split(reads, plan, planned), _count(rest) if touch else None
+        return self._ranges.split(reads, plan, planned), _touched(rest) if touch else None
 
     async def write(
         self,
@@ -116,20 +139,20 @@ class RedisRequests:
         values: Sequence[bytes],
         max_entries: int,
         cold: Collection[bytes] = (),
-    ) -> tuple[list[bool], int, list[ChunkKey]]:
+    ) -> Written:
         """Store values with one script call (`_redis_scripts.PUT_SCRIPT`).
 
-        The new chunks among `cold` go first in line for eviction. Returns which keys are
-        held after it, the recency set's size, and the chunks the script evicted.
+        The new chunks among `cold` go first in line for eviction.
         """
         names = [self.name(key) for key in keys]
         now = time.time()
         flags = "".join("1" if key in cold else "0" for key in keys)
         argv = (repr(now), max_entries, self.ttl_ms, repr(now - COLD_SHIFT), flags)
         out = await self.redis.eval(PUT_SCRIPT, len(names) + 1, self.lru, *names, *argv, *values)
-        held = [bool(int(x)) for x in out[: len(keys)]]
+        codes = [int(x) for x in out[: len(keys)]]
         evicted = [ChunkKey(bytes(n)[len(self.chunk_prefix) :]) for n in out[len(keys) + 1 :]]
-        return held, int(out[len(keys)]), evicted
+        new = [key for key, code in zip(keys, codes, strict=True) if code == 2]
+        return Written([code > 0 for code in codes], new, int(out[len(keys)]), evicted)
 
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Delete the chunks' values and recency entries; return the recency set's size."""
@@ -142,6 +165,6 @@ class RedisRequests:
         return int(count)
 
 
-def _count(rest: Sequence[Any]) -> int | None:
-    """Return the recency set's size a touch answered; `None` if it was refused."""
-    return None if rest[0] is None else int(rest[0])
+def _touched(rest: Sequence[Any]) -> Touched | None:
+    """Return what a touch answered; `None` if it was refused."""
+    return None if rest[0] is None else Touched(int(rest[0][0]), int(rest[0][1]))

@@ -17,7 +17,8 @@ COLD_SHIFT = 2**33
 # KEYS[1]: the recency set; KEYS[2..]: chunk keys. ARGV[1]: now (seconds); ARGV[2]: the most
 # entries the capacity holds; ARGV[3]: ttl in ms (0: none); ARGV[4]: now less COLD_SHIFT;
 # ARGV[5]: one "1" (cold) or "0" per chunk key; ARGV[6..]: the values, aligned.
-# Returns a 0/1 per key (held after the call), the set's size, then the names it evicted
+# Returns per key 0 (not held), 1 (held before) or 2 (written now), the set's size, then the
+# names it evicted
 # (by capacity, or listed in the set past their ttl). The batch's scores step down by a
 # microsecond per key, so a prefix is more recent than its suffix; NOTE: they are written
 # with 17 digits, since Lua prints a number with 14 (a tenth of a millisecond here).
@@ -71,7 +72,7 @@ for i = 2, #KEYS do
         redis.call('SET', key, ARGV[i + 4])
       end
       redis.call('ZADD', zset, score(cold and cold_now or now, i), key)
-      count, held = count + 1, 1
+      count, held = count + 1, 2
     end
   end
   out[#out + 1] = held
@@ -82,11 +83,15 @@ return out
 """
 
 # KEYS[1]: the recency set; KEYS[2..]: chunk keys that were read. ARGV[1]: now (seconds).
+# Answers the recency set's size and how many of the keys were cold (scored below zero).
 TOUCH_SCRIPT = """
+local cold = 0
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
+    local old = redis.call('ZSCORE', KEYS[1], KEYS[i])
+    if old and tonumber(old) < 0 then cold = cold + 1 end
     redis.call('ZADD', KEYS[1], 'XX', ARGV[1], KEYS[i])
   end
 end
-return redis.call('ZCARD', KEYS[1])
+return {redis.call('ZCARD', KEYS[1]), cold}
 """

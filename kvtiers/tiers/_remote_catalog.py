@@ -181,21 +181,31 @@ class Catalog:
         """
         self._stamp(keys, now, self._cold)
 
-    def touch(self, keys: Sequence[bytes], now: float) -> None:
+    def touch(self, keys: Sequence[bytes], now: float) -> int:
         """Make the known `keys` the most recently used, the last key the oldest of them.
 
         A cold key touched is cold no more.
-        """
-        self._stamp(keys, now, self._entries)
 
-    def _stamp(self, keys: Sequence[bytes], now: float, into: OrderedDict[bytes, _Entry]) -> None:
-        """Move the known `keys` to the end of `into`, the last key first, used at `now`."""
-        n = len(keys)
+        Returns:
+            How many of `keys` were cold until now.
+        """
+        return self._stamp(keys, now, self._entries)
+
+    def _stamp(self, keys: Sequence[bytes], now: float, into: OrderedDict[bytes, _Entry]) -> int:
+        """Move the known `keys` to the end of `into`, the last key first, used at `now`.
+
+        Returns:
+            How many of `keys` were cold before.
+        """
+        n, were_cold = len(keys), 0
         for i in range(n - 1, -1, -1):
-            entry = self._entries.pop(keys[i], None) or self._cold.pop(keys[i], None)
+            entry = self._entries.pop(keys[i], None)
+            if entry is None and (entry := self._cold.pop(keys[i], None)) is not None:
+                were_cold += 1
             if entry is not None:
                 entry.last_access = now + (n - 1 - i) * TIE
                 into[keys[i]] = entry
+        return were_cold
 
     def remove(self, key: bytes) -> bool:
         """Forget `key`'s object; return whether it was known."""
@@ -232,7 +242,7 @@ class Catalog:
                 continue
             if size is None:
                 self.remove(key)
-            elif key not in self._entries:
+            elif key not in self:  # a cold one stays cold: the read's touch warms it
                 self.add(key, size, now)
 
     def reset(self, objects: Iterable[StoredObject], since: int) -> None:

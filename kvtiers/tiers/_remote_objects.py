@@ -100,7 +100,7 @@ class ChunkObjects:
         if tally:
             counters.hits += len(hit_keys)
             counters.misses += len(keys) - len(hit_keys)
-        self._catalog.touch(hit_keys, now)
+        counters.cold_hits += self._catalog.touch(hit_keys, now)
         self._log.record(hit_keys, now)
         if bad:
             budget = max(0.0, deadline - time.monotonic())

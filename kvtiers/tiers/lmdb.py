@@ -35,7 +35,8 @@ from kvtiers.tiers._lmdb_reads import (
     run_jobs,
     usage_now,
 )
-from kvtiers.tiers._lmdb_writes import PendingTouches, ValuePacker, record_touches, store_new
+from kvtiers.tiers._lmdb_txns import WriteTransactions
+from kvtiers.tiers._lmdb_writes import Stored, ValuePacker, store_new
 from kvtiers.tiers.base import Buffer, Tier, check_keys
 
 __all__ = ["LMDBOptions", "LMDBTier"]
@@ -81,11 +82,13 @@ class LMDBTier(Tier):
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # guards counters and _limit across the pool's threads
         self._packer = ValuePacker(self._fingerprint, self._value_len, self._auth_key)
-        self._touched = PendingTouches()  # hit batches, flushed by the next write
         self._last_usage = TierUsage(self.capacity_bytes, 0, 0)  # reported while not open
         self._limit = sizes.limit
         """Bytes of values held at most: the capacity, or less where the map is smaller."""
         self._health = WriteHealth(self.name, self.options.path)
+        self._txns = WriteTransactions(
+            self.name, self._handles, lambda: self._limit, self._committed
+        )
         # NOTE: a batch is split into no more parts than there are cores, and a batch of
         # small values not at all (`read_parts`): the threads' Python work contends for the
         # interpreter lock. More threads still serve concurrent calls.
@@ -127,8 +130,8 @@ class LMDBTier(Tier):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         try:
-            if self._touched:  # recency that reads recorded since the last write
-                self._write(lambda w: None, threading.Event())
+            if self._txns.touched:  # recency that reads recorded since the last write
+                self._txns.write(lambda w: None, threading.Event())
         except lmdb.Error as exc:  # a full or failing disk: recency is only a hint
             logger.warning(
                 "kvtiers: lmdb tier %r: recency of recent reads not saved at close: %s",
@@ -145,43 +148,12 @@ class LMDBTier(Tier):
         """Run blocking `jobs` in the pool and return their results (see `run_jobs`)."""
         return await run_jobs(self._pool, jobs, self.name, self.options.path)
 
-    def _write(self, fn: Callable[[Writer], _T], cancel: threading.Event) -> _T | None:
-        """Run `fn` in one write transaction; `None` if it was cancelled.
-
-        Recency that reads recorded is flushed first, in the same transaction. A map that
-        fills up is grown to another process's larger map first, if there is one.
-        """
-        try:
-            return self._write_once(fn, cancel)
-        except lmdb.MapFullError:
-            if not self._handles()[0].grow():
-                raise
-            return self._write_once(fn, cancel)
-
-    def _write_once(self, fn: Callable[[Writer], _T], cancel: threading.Event) -> _T | None:
-        gate, dbs = self._handles()
-        if cancel.is_set():
-            return None
-        touched = self._touched.take()
-        committed = False
-        try:
-            with gate.begin(write=True) as txn:
-                writer = Writer(txn, dbs, self._limit)
-                record_touches(writer, touched)
-                result = fn(writer)
-                writer.save()
-                if not cancel.is_set():
-                    txn.commit()
-                    committed = True
-        finally:
-            if not committed:
-                self._touched.put_back(touched)
-        if not committed:
-            return None
+    def _committed(self, evicted: list[bytes], unparked: int) -> None:
+        """Count what a committed write evicted, and the cold chunks its reads found."""
         with self._lock:
-            self.counters.evictions += len(writer.evicted)
-        self._note_evicted(writer.evicted)
-        return result
+            self.counters.evictions += len(evicted)
+            self.counters.cold_hits += unparked
+        self._note_evicted(evicted)
 
     async def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         # docstring inherited
@@ -204,7 +176,7 @@ class LMDBTier(Tier):
         # docstring inherited
         # Kept in memory like a read's hits; the next write transaction records it first.
         if keys:
-            self._touched.add(keys)
+            self._txns.touched.add(keys)
 
     async def get(self, keys: Sequence[ChunkKey], dsts: Sequence[Buffer]) -> list[bool]:
         # docstring inherited
@@ -246,11 +218,11 @@ class LMDBTier(Tier):
         hits = [hit for part in await self._run(jobs) for hit in part]
         touched = [key for key, hit in zip(keys, hits, strict=True) if hit]
         # Kept in memory, so reads need no write transaction.
-        if touched and self._touched.add(touched):
+        if touched and self._txns.touched.add(touched):
             try:
-                await self._run([functools.partial(self._write, lambda w: None)])
+                await self._run([functools.partial(self._txns.write, lambda w: None)])
             except TierIOError:  # a full or failing disk: recency is only a hint
-                self._touched.clear()
+                self._txns.touched.clear()
         return hits
 
     def _read(
@@ -272,7 +244,7 @@ class LMDBTier(Tier):
                 self.counters.misses += len(keys) - num_hits
             self.counters.bytes_read += num_hits * read
         if bad:
-            self._write(functools.partial(self._discard, bad), cancel)
+            self._txns.write(functools.partial(self._discard, bad), cancel)
         return hits
 
     def _discard(self, keys: Sequence[ChunkKey], writer: Writer) -> None:
@@ -306,12 +278,12 @@ class LMDBTier(Tier):
         cold: frozenset[bytes],
         cancel: threading.Event,
     ) -> list[bool]:
-        def plan(writer: Writer) -> tuple[set[bytes], int, int]:
+        def plan(writer: Writer) -> Stored:
             # NOTE: the limit is read as the transaction runs: a retry sees it lowered.
             return store_new(writer, keys, srcs, self._packer, self._limit, cold)
 
         try:
-            done = self._write_freeing_dead_readers(plan, cancel)
+            done = self._txns.write_freeing_dead_readers(plan, cancel)
         except lmdb.MapFullError as exc:
             if reader_pins_pages(self._handles()[0].env):  # a long read, not a small map
                 return self._write_failed(keys, exc, cancel)
@@ -324,9 +296,9 @@ class LMDBTier(Tier):
             need = 2 * len(keys) * self._value_len
             try:
                 # NOTE: even deletes need free pages (copy-on-write), so these can fail too.
-                self._write(lambda w: w.evict(need, set(keys), limit=w.used), cancel)
-                self._write(lambda w: None, cancel)
-                done = self._write(plan, cancel)
+                self._txns.write(lambda w: w.evict(need, set(keys), limit=w.used), cancel)
+                self._txns.write(lambda w: None, cancel)
+                done = self._txns.write(plan, cancel)
             except lmdb.MapFullError:
                 present = self._contains(keys, cancel)
                 with self._lock:
@@ -338,32 +310,14 @@ class LMDBTier(Tier):
             return self._write_failed(keys, exc, cancel)
         if done is None:  # cancelled: nothing was written, and the caller is gone
             return [False] * len(keys)
-        held, num_new, num_declined = done
-        if num_new:
+        if done.new:
             self._health.stored()
         with self._lock:
-            self.counters.puts += num_new
-            self.counters.bytes_written += num_new * self.layout.chunk_bytes
-            self.counters.declined += num_declined
-        return [key in held for key in keys]
-
-    def _write_freeing_dead_readers(
-        self, fn: Callable[[Writer], _T], cancel: threading.Event
-    ) -> _T | None:
-        """`_write`; on a full map, free dead processes' reader slots and try once more.
-
-        NOTE: a process killed mid-read leaves its reader slot, which pins the snapshot it
-        read: pages freed since cannot be reused, so the map fills although the capacity
-        holds. Opening a path frees such slots; a cache that stays open frees them here.
-        """
-        try:
-            return self._write(fn, cancel)
-        except lmdb.MapFullError:
-            gate, _ = self._handles()
-            if not gate.env.reader_check():
-                raise
-            logger.info("kvtiers: lmdb tier %s freed reader slots of dead processes", self.name)
-            return self._write(fn, cancel)
+            self.counters.puts += done.new
+            self.counters.bytes_written += done.new * self.layout.chunk_bytes
+            self.counters.declined += done.declined
+            self.counters.cold_puts += done.parked
+        return [key in done.held for key in keys]
 
     def _write_failed(
         self, keys: Sequence[ChunkKey], exc: lmdb.Error, cancel: threading.Event
@@ -390,7 +344,7 @@ class LMDBTier(Tier):
         self._ensure_open()
         check_keys(keys)
         if keys:
-            remove = functools.partial(self._write, lambda w: [w.remove(key) for key in keys])
+            remove = functools.partial(self._txns.write, lambda w: [w.remove(key) for key in keys])
             await self._run([remove])
 
     def usage(self) -> TierUsage:

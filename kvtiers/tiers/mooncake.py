@@ -223,7 +223,8 @@ class MooncakeTier(PoolTier):
         verdicts = await self._guarded(
             functools.partial(self._read_some, store, keys, dsts), missed
         )
-        self._catalog.note_reads(keys, [verdict is Verdict.OK for verdict in verdicts])
+        hits = [verdict is Verdict.OK for verdict in verdicts]
+        self.counters.cold_hits += self._catalog.note_reads(keys, hits)
         return verdicts
 
     async def _read_some(
@@ -276,7 +277,8 @@ class MooncakeTier(PoolTier):
                     await self._remove(victims)
                 await self._put_new(new, plan.sources, held)
                 parked = cold.intersection(new) if cold else ()
-                self._catalog.settle([key for key in order if held[key]], parked)
+                settled = [key for key in order if held[key]]
+                self.counters.cold_puts += self._catalog.settle(settled, parked)
             self.counters.declined += plan.num_declined
             return plan.results(keys)
 

@@ -59,7 +59,7 @@ from kvtiers.tiers._pool_guard import (
 from kvtiers.tiers._pool_options import RedisOptions
 from kvtiers.tiers._pool_tier import PoolTier
 from kvtiers.tiers._redis_layers import LayerRanges
-from kvtiers.tiers._redis_requests import RedisRequests
+from kvtiers.tiers._redis_requests import RedisRequests, Touched
 from kvtiers.tiers._remote_breaker import CircuitBreaker
 from kvtiers.tiers._remote_layers import LayerPlan
 from kvtiers.tiers._remote_options import Redactor, display_url
@@ -195,12 +195,18 @@ class RedisTier(PoolTier):
         answer = await self._guarded(functools.partial(self._io.read, keys, touch), None)
         if answer is None:
             return [None] * len(keys)
-        values, count = answer
-        self._num_entries = self._num_entries if count is None else count
+        values, touched = answer
+        self._note_touch(touched)
         return [
             None if raw is None else self._values.read_into(key, raw, dst)
             for key, raw, dst in zip(keys, values, dsts, strict=True)
         ]
+
+    def _note_touch(self, touched: Touched | None) -> None:
+        """Take in what a read's touch answered (`None`: no touch, or it was refused)."""
+        if touched is not None:
+            self._num_entries = touched.entries
+            self.counters.cold_hits += touched.were_cold
 
     # -- layer-wise reads --------------------------------------------------------------
 
@@ -242,8 +248,8 @@ class RedisTier(PoolTier):
         answer = await self._guarded(read, None)
         if answer is None:
             return [None] * len(keys)
-        parts, count = answer
-        self._num_entries = self._num_entries if count is None else count
+        parts, touched = answer
+        self._note_touch(touched)
         verdicts, again = self._ranges.deliver(keys, plan, parts, dsts)
         if again:  # values that did not verify: judged whole
             scratch = np.empty((len(again), self.layout.chunk_bytes), dtype=np.uint8)
@@ -289,18 +295,18 @@ class RedisTier(PoolTier):
         """Store `keys` with one script call; return which are held after it."""
         values = [self._pack(key, sources[key]) for key in keys]
         try:
-            answer = await self._io.write(keys, values, self.max_entries, cold)
-            held, self._num_entries, evicted = answer
+            done = await self._io.write(keys, values, self.max_entries, cold)
         except OutOfMemoryError as exc:  # an answer, not a failure: reads still work
             self._out_of_memory(len(keys), exc)
             return [False] * len(keys)
+        self._num_entries = done.entries
         self._full.took()
-        self.counters.evictions += len(evicted)
-        self._note_evicted(evicted)
-        written = sum(held)
-        self.counters.puts += written
-        self.counters.bytes_written += written * self.layout.chunk_bytes
-        return held
+        self.counters.evictions += len(done.evicted)
+        self._note_evicted(done.evicted)
+        self.counters.puts += len(done.new)
+        self.counters.bytes_written += len(done.new) * self.layout.chunk_bytes
+        self.counters.cold_puts += sum(1 for key in done.new if key in cold)
+        return done.held
 
     def _out_of_memory(self, num_chunks: int, exc: OutOfMemoryError) -> None:
         """Count a write the server refused past its `maxmemory` (`FullEpisodes`)."""

@@ -304,6 +304,7 @@ class RemoteTier(Tier):
         self.counters.puts += len(stored)
         self.counters.bytes_written += len(stored) * self.layout.chunk_bytes
         self.counters.declined += len(srcs_by_key) - len(held_keys)
+        self.counters.cold_puts += len(parked)
         return [key in held_keys for key in keys]
 
     async def delete(self, keys: Sequence[ChunkKey]) -> None:

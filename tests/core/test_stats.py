@@ -39,12 +39,7 @@ def test_snapshot_is_frozen_and_detached() -> None:
 def test_tier_stats_fields_mirror_counters() -> None:
     counter_names = [f.name for f in dataclasses.fields(TierCounters)]
     stats_names = [f.name for f in dataclasses.fields(TierStats)]
-    # The cold counts come from the cache's policy, not the tier (`_observe`).
-    assert stats_names == [
-        *("name", "kind", "usage"),
-        *counter_names,
-        *("breaker", "io", "cold_puts", "cold_hits"),
-    ]
+    assert stats_names == [*("name", "kind", "usage"), *counter_names, *("breaker", "io")]
 
 
 def test_hit_rate() -> None:
