@@ -82,6 +82,15 @@ def _add_replay_parser(commands: Any) -> None:
         "policies (index-only: blocks are counted, not stored; --full stores them in a real "
         "TieredCache).",
     )
+    _add_trace_arguments(replay)
+    _add_mode_arguments(replay)
+    _add_cost_arguments(replay, model_required=False)
+    _add_output_arguments(replay)
+    replay.set_defaults(run=_run_replay)
+
+
+def _add_trace_arguments(replay: argparse.ArgumentParser) -> None:
+    """Add the trace, its tiers config, policies, capacities and block size to `replay`."""
     replay.add_argument("trace", metavar="TRACE", help="a JSON-lines trace file")
     replay.add_argument("--config", help="a tiers config (.toml/.yaml); default: one DRAM tier")
     replay.add_argument(
@@ -103,6 +112,10 @@ def _add_replay_parser(commands: Any) -> None:
         "config's chunk size, else 256)",
     )
     replay.add_argument("--limit", type=positive_int, metavar="N", help="replay N requests only")
+
+
+def _add_mode_arguments(replay: argparse.ArgumentParser) -> None:
+    """Add the reuse hints and the full mode (real bytes through a TieredCache) to `replay`."""
     replay.add_argument(
         "--hints",
         choices=HINTS,
@@ -123,11 +136,13 @@ def _add_replay_parser(commands: Any) -> None:
         help=f"with --full: bytes of a stored block (default: {DEFAULT_BLOCK_BYTES}), or "
         "'layout' for blocks of the config's [layout]",
     )
-    _add_cost_arguments(replay, model_required=False)
+
+
+def _add_output_arguments(replay: argparse.ArgumentParser) -> None:
+    """Add the output options (JSON, a figure, the progress bar) to `replay`."""
     replay.add_argument("--json", action="store_true", help="print one JSON object instead")
     replay.add_argument("--plot", metavar="OUT", help="write a figure (PNG, SVG, PDF)")
     replay.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    replay.set_defaults(run=_run_replay)
 
 
 def _add_cost_arguments(parser: argparse.ArgumentParser, *, model_required: bool) -> None:

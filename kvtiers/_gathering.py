@@ -196,12 +196,24 @@ class Gatherer(WriteQueues):
         (`in_place`: `dsts` are the sink's own memory). The sink's later `deliver` of
         these chunks then copies nothing again.
         """
-        none = [False] * len(keys)
         if not isinstance(sink, LayerStream) or not slot.tier.layer_reads or not keys:
-            found = await self._call(slot, "get", slot.tier.get(keys, dsts), none)
+            found = await self._call(slot, "get", slot.tier.get(keys, dsts), [False] * len(keys))
             if isinstance(sink, LayerStream) and in_place:
                 sink.delivered([i for i, hit in zip(idxs, found, strict=True) if hit])
             return found
+        return await self._read_waves(slot, keys, dsts, sink, idxs, in_place=in_place)
+
+    async def _read_waves(
+        self,
+        slot: Slot,
+        keys: list[ChunkKey],
+        dsts: Sequence[Buffer],
+        sink: LayerStream,
+        idxs: list[int],
+        *,
+        in_place: bool,
+    ) -> list[bool]:
+        """Read `keys` from `slot` wave by wave, delivering each wave to `sink` as it arrives."""
 
         # NOTE: the first wave is read alone, so it has the store to itself and arrives
         # first; then every other wave is asked for at once (a store answers each after
@@ -235,7 +247,7 @@ class Gatherer(WriteQueues):
                 await deliver(wave, live)
         finally:
             await _reap(reads)
-        found = list(none)
+        found = [False] * len(keys)
         for j in live:
             found[j] = True
         return found

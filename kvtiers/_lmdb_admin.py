@@ -67,22 +67,7 @@ def open_lmdb(path: Path, *, readonly: bool) -> Any:
     # and inspect counted and verified garbage (every entry "corrupt"). A folder without a
     # lock.mdb is open in no process (each one creates it): read it without, creating none.
     lock = not readonly or (path / "lock.mdb").exists()
-    try:
-        # NOTE: map_size=0 maps the size the caches recorded. py-lmdb's default (10 MiB,
-        # raised only to the pages in use) left no room to copy pages on write, so a purge
-        # of a larger store failed with MDB_MAP_FULL.
-        env = lmdb.open(
-            str(path),
-            max_dbs=4,
-            subdir=True,
-            readonly=readonly,
-            lock=lock,
-            create=False,
-            map_size=0,
-            mode=FILE_MODE,
-        )
-    except lmdb.Error as exc:  # e.g. MDB_INVALID: data.mdb is no LMDB file
-        raise lmdb_failure(path, exc, "open", lock=lock, readonly=readonly) from exc
+    env = _open_env(path, readonly=readonly, lock=lock)
     try:
         # NOTE: a data.mdb cut short (a partial copy, a full disk) is a SIGBUS, which
         # kills the process, when a read touches a page past its end.
@@ -99,6 +84,28 @@ def open_lmdb(path: Path, *, readonly: bool) -> Any:
         with contextlib.suppress(lmdb.Error):
             env.reader_check()
     return env
+
+
+def _open_env(path: Path, *, readonly: bool, lock: bool) -> Any:
+    """Return the LMDB environment at `path`, opened as the caches sized it."""
+    import lmdb
+
+    try:
+        # NOTE: map_size=0 maps the size the caches recorded. py-lmdb's default (10 MiB,
+        # raised only to the pages in use) left no room to copy pages on write, so a purge
+        # of a larger store failed with MDB_MAP_FULL.
+        return lmdb.open(
+            str(path),
+            max_dbs=4,
+            subdir=True,
+            readonly=readonly,
+            lock=lock,
+            create=False,
+            map_size=0,
+            mode=FILE_MODE,
+        )
+    except lmdb.Error as exc:  # e.g. MDB_INVALID: data.mdb is no LMDB file
+        raise lmdb_failure(path, exc, "open", lock=lock, readonly=readonly) from exc
 
 
 def open_chunks(env: Any, path: Path) -> Any:

@@ -309,21 +309,7 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
     unknown = sorted(map(_key, set(data) - keys))
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key; expected {', '.join(sorted(keys))}")
-    layout = None
-    if "layout" in data:
-        raw = data["layout"]
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"layout: expected a table, got {describe(raw)}")
-        known = sorted(f.name for f in dataclasses.fields(KVLayout))
-        unknown = sorted(map(_key, set(raw) - set(known)))
-        if unknown:  # named here, as every other key is (`KVLayout` shows it raw)
-            raise ConfigError(
-                f"layout.{unknown[0]}: unknown key; expected one of {', '.join(known)}"
-            )
-        try:
-            layout = KVLayout.from_dict(dict(raw))
-        except TypeError as exc:
-            raise ConfigError(f"layout: {exc}") from exc
+    layout = _parse_layout(data["layout"]) if "layout" in data else None
     raw_tiers = data.get("tiers")
     if not isinstance(raw_tiers, list) or not raw_tiers:
         raise ConfigError(
@@ -340,6 +326,20 @@ def _parse(data: Mapping[str, Any]) -> CacheConfig:
         concurrent_reads=data.get("concurrent_reads", True),
         copy_threads=data.get("copy_threads", 0),
     )
+
+
+def _parse_layout(raw: object) -> KVLayout:
+    """Return the `[layout]` table as a `KVLayout`, naming an unknown key as its path."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"layout: expected a table, got {describe(raw)}")
+    known = sorted(f.name for f in dataclasses.fields(KVLayout))
+    unknown = sorted(map(_key, set(raw) - set(known)))
+    if unknown:  # named here, as every other key is (`KVLayout` shows it raw)
+        raise ConfigError(f"layout.{unknown[0]}: unknown key; expected one of {', '.join(known)}")
+    try:
+        return KVLayout.from_dict(dict(raw))
+    except TypeError as exc:
+        raise ConfigError(f"layout: {exc}") from exc
 
 
 def _parse_metrics(raw: object) -> MetricsConfig:

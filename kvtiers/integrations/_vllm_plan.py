@@ -218,24 +218,39 @@ def chunk_size_for(
             )
         return block_size
     if requested is not None:
-        if requested % block_size:
-            raise ConfigError(
-                f"{_WHERE}.chunk_size: {requested} is not a multiple of vLLM's block size "
-                f"{block_size}"
-            )
-        if limit is not None and requested > limit:
-            raise ConfigError(
-                f"{_WHERE}.chunk_size: {requested} exceeds {limit}, the most a model with a "
-                f"{window}-token sliding window allows under vLLM's hybrid KV-cache manager "
-                "(or pass --disable-hybrid-kv-cache-manager)"
-            )
-        if attention_chunk is not None and attention_chunk % requested:
-            raise ConfigError(
-                f"{_WHERE}.chunk_size: {requested} does not divide {attention_chunk}, the "
-                "model's chunks of local attention, as vLLM's hybrid KV-cache manager needs "
-                "(or pass --disable-hybrid-kv-cache-manager)"
-            )
-        return requested
+        return _checked_request(block_size, requested, limit, window, attention_chunk)
+    return _default_chunk(block_size, limit, attention_chunk)
+
+
+def _checked_request(
+    block_size: int,
+    requested: int,
+    limit: int | None,
+    window: int | None,
+    attention_chunk: int | None,
+) -> int:
+    """Return `requested` if it fits `block_size`, the window's `limit` and `attention_chunk`."""
+    if requested % block_size:
+        raise ConfigError(
+            f"{_WHERE}.chunk_size: {requested} is not a multiple of vLLM's block size {block_size}"
+        )
+    if limit is not None and requested > limit:
+        raise ConfigError(
+            f"{_WHERE}.chunk_size: {requested} exceeds {limit}, the most a model with a "
+            f"{window}-token sliding window allows under vLLM's hybrid KV-cache manager "
+            "(or pass --disable-hybrid-kv-cache-manager)"
+        )
+    if attention_chunk is not None and attention_chunk % requested:
+        raise ConfigError(
+            f"{_WHERE}.chunk_size: {requested} does not divide {attention_chunk}, the "
+            "model's chunks of local attention, as vLLM's hybrid KV-cache manager needs "
+            "(or pass --disable-hybrid-kv-cache-manager)"
+        )
+    return requested
+
+
+def _default_chunk(block_size: int, limit: int | None, attention_chunk: int | None) -> int:
+    """Return the default chunk: near 256 tokens, at most `limit`, dividing `attention_chunk`."""
     if _PREFERRED_CHUNK % block_size == 0:
         chosen = _PREFERRED_CHUNK
     else:
