@@ -18,10 +18,9 @@ COLD_SHIFT = 2**33
 # entries the capacity holds; ARGV[3]: ttl in ms (0: none); ARGV[4]: now less COLD_SHIFT;
 # ARGV[5]: one "1" (cold) or "0" per chunk key; ARGV[6..]: the values, aligned.
 # Returns per key 0 (not held), 1 (held before) or 2 (written now), the set's size, then the
-# names it evicted
-# (by capacity, or listed in the set past their ttl). The batch's scores step down by a
-# microsecond per key, so a prefix is more recent than its suffix; NOTE: they are written
-# with 17 digits, since Lua prints a number with 14 (a tenth of a millisecond here).
+# names it evicted (by capacity, or listed in the set past their ttl). The batch's scores
+# step down by a microsecond per key, so a prefix is more recent than its suffix; NOTE: they
+# are written with 17 digits, since Lua prints a number with 14 (a tenth of a millisecond).
 PUT_SCRIPT = """
 local zset, now, limit, ttl = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local cold_now, evicted = tonumber(ARGV[4]), {}
