@@ -53,6 +53,8 @@ _MEASURED = (
     "corrupt",
     "foreign",
     "errors",
+    "cold_puts",
+    "cold_hits",
 )
 
 

@@ -185,6 +185,18 @@ def test_dram_lmdb_cascade_reports_lmdb_hits_in_a_sandbox(capsys, tmp_path):
     assert not (tmp_path / "real-lmdb").exists()
 
 
+def test_a_hinted_cascade_reports_each_tiers_cold_chunks(capsys, tmp_path):
+    config = dram_lmdb_config(tmp_path)
+    argv = [str(SYNTHETIC), "--config", str(config), "--limit", LIMIT, "--hints", "turns"]
+    status, data, _ = run_cli(capsys, *argv, "--block-bytes", "layout")
+    assert status == 0
+    hinted = next(run for run in data["runs"] if run["policy"].endswith("+turns"))
+    for tier in hinted["tiers"]:  # the policy counts for dram, lmdb counts its own
+        measured = tier["measured"]
+        assert 0 < measured["cold_puts"] <= measured["puts"], tier["name"]
+        assert 0 <= measured["cold_hits"] <= measured["hits"], tier["name"]
+
+
 def test_promotions_are_not_evicted_by_the_demotions_they_cause(capsys, tmp_path):
     # Both tiers full: promoting lmdb hits into dram demotes dram's victims into lmdb
     # (write-back), and lmdb, evicting by itself, must not make that room from the chunks
